@@ -1,0 +1,407 @@
+"""The analytic system model (spec sections 2-5): payload sizes, rates, per-phase latencies, goodput.
+
+Pure functions of a `Scenario` and a schedule (modes, draft lengths, powers): no I/O, no clocks.
+`evaluate()` is the single entry point; `device_tables()` tabulates the per-device quantities for every
+draft length 1..L_max so the optimizer can score many schedules without recomputing them; both are built
+from the same per-device formulas below, so they agree.
+
+Conventions: modes are booleans per device, True = UL mode (correction at the edge). The "downlink" phase
+is everything after verification: the shared DL of the DL-mode devices, the UL-mode replies (charged
+`ul_reply_s` each), and with `ul_protocol: lazy` the second uplink of one distribution after a rejection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from testbed import power as dlpower
+from testbed import radio
+from testbed.scenario import Scenario
+
+UL, DL = "UL", "DL"
+
+
+# ---------------------------------------------------------------- sizes (spec sections 1 and 3)
+
+def bits_per_id(vocab_size: int) -> int:
+    """b_id = ceil(log2 V)."""
+    return int(math.ceil(math.log2(vocab_size)))
+
+
+def bits_index(draft_len):
+    """b_j(L) = ceil(log2(L + 1)): the first-rejection index / accepted count."""
+    return np.ceil(np.log2(np.asarray(draft_len, dtype=float) + 1.0))
+
+
+def distribution_bits(sc: Scenario) -> float:
+    """One transmitted distribution: V b_p dense, or k (b_id + b_p) as top-k (index + value) pairs."""
+    if sc.payload_format == "topk" and sc.topk_k < sc.vocab_size:
+        return float(sc.topk_k * (bits_per_id(sc.vocab_size) + sc.bits_per_prob))
+    return float(sc.vocab_size * sc.bits_per_prob)
+
+
+def expected_tokens(acceptance, draft_len):
+    """E(L) = (1 - a^(L+1)) / (1 - a), output tokens per round (accepted + correction or bonus)."""
+    a = np.asarray(acceptance, dtype=float)
+    L = np.asarray(draft_len, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e = (1.0 - a ** (L + 1.0)) / (1.0 - a)
+    return np.where(np.isclose(a, 1.0), L + 1.0, e)
+
+
+def reject_probability(acceptance, draft_len):
+    """P(a round has a rejection) = 1 - a^L."""
+    return 1.0 - np.asarray(acceptance, float) ** np.asarray(draft_len, float)
+
+
+def ul_first_bits(sc: Scenario, ul_mode, draft_len):
+    """Bits a device sends before verification.
+    UL eager: L (b_id + D); UL lazy: L (b_id + b_p); DL rejected_only: L (b_id + b_p) + b_id (the
+    previous correction token); DL all_positions: L b_id + b_id (the device verifies itself)."""
+    bid, bp, L = bits_per_id(sc.vocab_size), sc.bits_per_prob, np.asarray(draft_len, float)
+    if sc.ul_protocol == "eager":
+        ul = L * (bid + distribution_bits(sc))
+    else:
+        ul = L * (bid + bp)
+    if sc.dl_protocol == "rejected_only":
+        dl = L * (bid + bp) + bid
+    else:
+        dl = L * bid + bid
+    return np.where(ul_mode, ul, dl)
+
+
+def lazy_post_bits(sc: Scenario, acceptance, draft_len, provisioned: bool = True):
+    """UL lazy: the distribution uploaded after a rejection is signalled (0 for eager).
+    Provisioned per `dl_provisioning`: worst_case a full one, expected/realized (1 - a^L) of one."""
+    if sc.ul_protocol != "lazy":
+        return np.zeros(np.broadcast(np.asarray(acceptance), np.asarray(draft_len)).shape)
+    d = distribution_bits(sc)
+    full = np.full(np.broadcast(np.asarray(acceptance), np.asarray(draft_len)).shape, d)
+    if not provisioned or sc.dl_provisioning == "worst_case":
+        return full
+    return reject_probability(acceptance, draft_len) * d
+
+
+def dl_bits_dl_mode(sc: Scenario, acceptance, draft_len):
+    """DL bits a DL-mode device is provisioned for (spec section 3, Option dl_provisioning).
+    rejected_only: worst_case b_j + D; expected/realized b_j + (1 - a^L) D + a^L b_id.
+    all_positions: (L + 1) D always (no dependence on the outcome)."""
+    L = np.asarray(draft_len, float)
+    a = np.asarray(acceptance, float)
+    d, bid, bj = distribution_bits(sc), bits_per_id(sc.vocab_size), bits_index(L)
+    if sc.dl_protocol == "all_positions":
+        return (L + 1.0) * d + 0.0 * a
+    if sc.dl_provisioning == "worst_case":
+        return bj + d + 0.0 * a
+    pr = reject_probability(a, L)
+    return bj + pr * d + (1.0 - pr) * bid
+
+
+def dl_bits_realized(sc: Scenario, draft_len, rejected):
+    """DL bits a DL-mode device actually receives: b_j + D after a rejection, else b_j + b_id."""
+    L = np.asarray(draft_len, float)
+    d, bid, bj = distribution_bits(sc), bits_per_id(sc.vocab_size), bits_index(L)
+    if sc.dl_protocol == "all_positions":
+        return (L + 1.0) * d
+    return bj + np.where(rejected, d, bid)
+
+
+def reply_bits_ul_mode(sc: Scenario, draft_len):
+    """UL-mode DL reply: accepted count and output token, b_j + b_id (lazy adds a b_j rejection signal)."""
+    bj = bits_index(draft_len)
+    return bj + bits_per_id(sc.vocab_size) + (bj if sc.ul_protocol == "lazy" else 0.0)
+
+
+def verify_time(sc: Scenario, draft_lens):
+    """T_ver = t0 + t1 sum_k (L_k + 1) (ragged) or t0 + t1 N (max_k L_k + 1) (padded); last axis = devices."""
+    L = np.asarray(draft_lens, dtype=float)
+    if sc.verify_batch == "ragged":
+        return sc.verify_t0_s + sc.verify_t1_s * (L + 1.0).sum(axis=-1)
+    return sc.verify_t0_s + sc.verify_t1_s * L.shape[-1] * (L.max(axis=-1) + 1.0)
+
+
+# ---------------------------------------------------------------- radio
+
+def ul_rate(sc: Scenario, powers_w, gains=None, bandwidths=None):
+    g = sc.gains_linear() if gains is None else gains
+    b = sc.ul_bandwidths_hz() if bandwidths is None else bandwidths
+    return radio.shannon_rate_bps(b, powers_w, g, sc.noise_psd_w_hz)
+
+
+def ul_power_for_energy(bits, bandwidth_hz, gain, noise_psd_w_hz, max_power_w, energy_j, iters: int = 60):
+    """Largest p <= P^max with p * bits / r(p) <= E (spec section 5, Option energy budget).
+    Energy p S / r(p) increases with p, so bisect; an infinite budget gives P^max. Vectorised."""
+    bits, b, g, pmax, e = np.broadcast_arrays(*(np.asarray(v, float) for v in
+                                                (bits, bandwidth_hz, gain, max_power_w, energy_j)))
+    if np.all(np.isinf(e)):  # no budget anywhere: P^max (the common case; skip the bisection)
+        return pmax.copy()
+    energy = lambda p: p * bits / np.maximum(radio.shannon_rate_bps(b, p, g, noise_psd_w_hz), 1e-300)
+    ok_max = energy(pmax) <= e
+    lo, hi = np.zeros_like(pmax), pmax.copy()
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        fits = energy(mid) <= e
+        lo = np.where(fits, mid, lo)
+        hi = np.where(fits, hi, mid)
+    return np.where(ok_max, pmax, lo)
+
+
+# ---------------------------------------------------------------- per-device tables
+
+@dataclass
+class DeviceTables:
+    """Per-device quantities for every draft length 1..L_max (arrays shaped (N, L_max), column l-1)."""
+
+    gains: np.ndarray
+    acceptance: np.ndarray
+    expected_tokens: np.ndarray
+    draft_s: np.ndarray
+    up_ul: np.ndarray       # tau_up in UL mode: drafting + first uplink
+    up_dl: np.ndarray       # tau_up in DL mode
+    post_ul: np.ndarray     # UL mode after verification: reply (+ lazy second uplink)
+    dl_bits: np.ndarray     # provisioned DL payload in DL mode
+    p_ul_ul: np.ndarray     # UL power in UL mode / DL mode
+    p_ul_dl: np.ndarray
+    t_ver_per_pos: float
+    constants: dict = field(default_factory=dict)
+
+
+def _ul_phase(sc, ul_mode, L, acc, gains, bws, pmax, budgets, t, ul_powers=None, provisioned=True):
+    """Per-device (power, rate, first bits, post bits, tau_up, post time) in one mode."""
+    first = ul_first_bits(sc, ul_mode, L)
+    post = np.where(ul_mode, lazy_post_bits(sc, acc, L, provisioned), 0.0)
+    if ul_powers is None:
+        p = ul_power_for_energy(first + post, bws, gains, sc.noise_psd_w_hz, pmax, budgets)
+    else:
+        p = np.asarray(ul_powers, float) * np.ones_like(first)
+    r = radio.shannon_rate_bps(bws, p, gains, sc.noise_psd_w_hz)
+    with np.errstate(divide="ignore"):
+        tx = np.where(first > 0, first / r, 0.0)
+        post_tx = np.where(post > 0, post / r, 0.0)
+    lazy = sc.ul_protocol == "lazy"
+    post_time = np.where(ul_mode, sc.ul_reply_s * (2.0 if lazy else 1.0) + post_tx, 0.0)
+    return p, r, first, post, L * t + tx, post_time, tx
+
+
+def device_tables(sc: Scenario) -> DeviceTables:
+    n, lmax = sc.num_devices, sc.max_draft_len
+    L = np.broadcast_to(np.arange(1, lmax + 1, dtype=float), (n, lmax))
+    col = lambda v: np.asarray(v, float)[:, None]
+    acc, g = col(sc.device_array("acceptance")), col(sc.gains_linear())
+    t, pmax = col(sc.device_array("draft_time_s")), col(sc.device_array("max_power_w"))
+    bws, budgets = col(sc.ul_bandwidths_hz()), col(sc.energy_budgets_j())
+    p_u, _, _, _, up_u, post_u, _ = _ul_phase(sc, True, L, acc, g, bws, pmax, budgets, t)
+    p_d, _, _, _, up_d, _, _ = _ul_phase(sc, False, L, acc, g, bws, pmax, budgets, t)
+    return DeviceTables(
+        gains=g[:, 0], acceptance=acc[:, 0], expected_tokens=expected_tokens(acc, L), draft_s=L * t,
+        up_ul=up_u, up_dl=up_d, post_ul=post_u, dl_bits=dl_bits_dl_mode(sc, acc, L) * np.ones_like(L),
+        p_ul_ul=p_u, p_ul_dl=p_d, t_ver_per_pos=sc.verify_t1_s,
+        constants=dict(noise=sc.noise_psd_w_hz, bd=sc.downlink_bandwidth_hz, ps=sc.downlink_power_w),
+    )
+
+
+# ---------------------------------------------------------------- the downlink phase
+
+def dl_bandwidth_per_device(sc: Scenario, num_dl: int) -> float:
+    """W: B^D / |D| (fdma_equal_split), B^D / N (fdma_fixed_split), B^D (tdma, one at a time)."""
+    if num_dl == 0:
+        return 0.0
+    if sc.dl_access == "fdma_equal_split":
+        return sc.downlink_bandwidth_hz / num_dl
+    if sc.dl_access == "fdma_fixed_split":
+        return sc.downlink_bandwidth_hz / sc.num_devices
+    return sc.downlink_bandwidth_hz
+
+
+def dl_schedule(sc: Scenario, payload_bits, gains, dl_powers=None):
+    """(powers, rates, per-device DL times, DL phase) for one DL set with the given payloads.
+    FDMA: optimal power (equal latencies) unless powers are given; TDMA: full band and power each,
+    one after another (the phase is the sum)."""
+    s = np.asarray(payload_bits, float)
+    g = np.asarray(gains, float)
+    n = s.size
+    if n == 0:
+        return np.zeros(0), np.zeros(0), np.zeros(0), 0.0
+    w = dl_bandwidth_per_device(sc, n)
+    n0 = sc.noise_psd_w_hz
+    if sc.dl_access == "tdma":
+        p = np.full(n, sc.downlink_power_w) if dl_powers is None else np.asarray(dl_powers, float)
+        r = radio.shannon_rate_bps(w, p, g, n0) * np.ones(n)
+        times = s / r
+        return p, r, times, float(times.sum())
+    if dl_powers is None:
+        p, _ = dlpower.optimal_dl_powers(s, g, w, sc.downlink_power_w, n0)
+    else:
+        p = np.asarray(dl_powers, float)
+    r = radio.shannon_rate_bps(w, p, g, n0) * np.ones(n)
+    with np.errstate(divide="ignore"):
+        times = np.where(s > 0, s / r, 0.0)
+    return p, r, times, float(times.max())
+
+
+# ---------------------------------------------------------------- evaluate
+
+@dataclass
+class Evaluation:
+    """Everything the model predicts for one schedule. Per-device arrays are in device order."""
+
+    names: list
+    modes: list
+    draft_lens: np.ndarray
+    ul_power_w: np.ndarray
+    dl_power_w: np.ndarray
+    draft_s: np.ndarray
+    tx_s: np.ndarray
+    uplink_s: np.ndarray
+    downlink_s: np.ndarray
+    ul_rate_bps: np.ndarray
+    dl_rate_bps: np.ndarray
+    ul_bits: np.ndarray
+    dl_bits: np.ndarray
+    expected_tokens: np.ndarray
+    device_round_s: np.ndarray
+    goodput: np.ndarray
+    phases: dict
+    round_time_s: float
+    goodput_tps: float
+    dl_bandwidth_per_device_hz: float
+
+    @property
+    def num_ul_devices(self) -> int:
+        return sum(m == UL for m in self.modes)
+
+
+def parse_modes(modes, n: int) -> np.ndarray:
+    """Modes as a boolean array (True = UL) from 'UL'/'DL' strings or booleans; clear errors."""
+    arr = list(modes)
+    if len(arr) != n:
+        raise ValueError(f"modes: got {len(arr)} entries for {n} devices")
+    out = []
+    for i, m in enumerate(arr):
+        if isinstance(m, (bool, np.bool_)):
+            out.append(bool(m))
+        elif isinstance(m, str) and m.upper() in (UL, DL):
+            out.append(m.upper() == UL)
+        else:
+            raise ValueError(f"modes[{i}]: {m!r} is not allowed: must be 'UL' or 'DL'")
+    return np.array(out, dtype=bool)
+
+
+def _check_lengths(sc: Scenario, draft_lens) -> np.ndarray:
+    L = np.asarray(draft_lens)
+    if L.shape != (sc.num_devices,):
+        raise ValueError(f"draft_lens: got shape {L.shape} for {sc.num_devices} devices")
+    for i, l in enumerate(L):
+        if not (float(l).is_integer() and 1 <= l <= sc.max_draft_len):
+            raise ValueError(f"draft_lens[{i}]: {l.item()!r} is not allowed: must be an integer in 1..{sc.max_draft_len}")
+    return L.astype(float)
+
+
+def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None) -> Evaluation:
+    """Predict one round for a schedule. ul_powers default: P^max (or the energy-budget power);
+    dl_powers (one per device, only DL-mode entries used) default: the optimal split for the DL set."""
+    n = sc.num_devices
+    ul_mode = parse_modes(modes, n)
+    L = _check_lengths(sc, draft_lens)
+    acc, g, t = sc.device_array("acceptance"), sc.gains_linear(), sc.device_array("draft_time_s")
+    pmax, bws, budgets = sc.device_array("max_power_w"), sc.ul_bandwidths_hz(), sc.energy_budgets_j()
+    if ul_powers is not None:
+        ul_powers = np.asarray(ul_powers, float)
+        bad = np.flatnonzero((ul_powers < 0) | (ul_powers > pmax * (1 + 1e-9)))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"ul_powers[{i}]: {ul_powers[i]} is not allowed: must be in [0, {pmax[i]}] W")
+    p_ul, r_ul, first, post, up, post_time, tx = _ul_phase(
+        sc, ul_mode, L, acc, g, bws, pmax, budgets, t, ul_powers)
+    dl_idx = np.flatnonzero(~ul_mode)
+    s_dl = dl_bits_dl_mode(sc, acc[dl_idx], L[dl_idx])
+    given = None
+    if dl_powers is not None:
+        given = np.asarray(dl_powers, float)[dl_idx]
+        if given.sum() > sc.downlink_power_w * (1 + 1e-9) and sc.dl_access != "tdma":
+            raise ValueError(f"dl_powers: the DL devices' powers sum to {given.sum():.4g} W, "
+                             f"more than downlink_power_w = {sc.downlink_power_w} W")
+    p_d, r_d, times_d, tau_dl = dl_schedule(sc, s_dl, g[dl_idx], given)
+    dl_power = np.zeros(n)
+    dl_rate = np.zeros(n)
+    downlink = post_time.copy()
+    dl_bits = np.where(ul_mode, reply_bits_ul_mode(sc, L), 0.0)
+    dl_power[dl_idx], dl_rate[dl_idx], dl_bits[dl_idx] = p_d, r_d, s_dl
+    downlink[dl_idx] = tau_dl if sc.dl_access == "tdma" else times_d
+    e = expected_tokens(acc, L)
+    t_ver = float(verify_time(sc, L))
+    up_phase = float(up.max())
+    down_phase = float(max(downlink.max(initial=0.0), tau_dl))
+    T = up_phase + t_ver + down_phase + sc.round_overhead_s
+    device_T = up + t_ver + downlink + sc.round_overhead_s
+    if sc.rounds == "synchronous":
+        per = e / T
+    else:
+        per = e / device_T
+    return Evaluation(
+        names=[d.name for d in sc.devices], modes=[UL if m else DL for m in ul_mode], draft_lens=L.astype(int),
+        ul_power_w=p_ul, dl_power_w=dl_power, draft_s=L * t, tx_s=tx, uplink_s=up, downlink_s=downlink,
+        ul_rate_bps=r_ul, dl_rate_bps=dl_rate, ul_bits=first + post, dl_bits=dl_bits, expected_tokens=e,
+        device_round_s=device_T if sc.rounds == "asynchronous" else np.full(n, T), goodput=per,
+        phases={"uplink": up_phase, "verify": t_ver, "downlink": down_phase},
+        round_time_s=T if sc.rounds == "synchronous" else float(device_T.max()),
+        goodput_tps=float(per.sum()), dl_bandwidth_per_device_hz=dl_bandwidth_per_device(sc, dl_idx.size),
+    )
+
+
+# ---------------------------------------------------------------- one realized round (Monte Carlo)
+
+def draw_accepted(rng: np.random.Generator, acceptance, draft_lens):
+    """Accepted counts A in 0..L per device with P(A >= i) = a^i (i.i.d. per-token acceptance)."""
+    a = np.asarray(acceptance, float)
+    L = np.asarray(draft_lens, int)
+    u = rng.random((a.size, int(L.max())))
+    accepted_prefix = np.cumprod(u < a[:, None], axis=1)
+    mask = np.arange(L.max())[None, :] < L[:, None]
+    return (accepted_prefix * mask).sum(axis=1)
+
+
+def realized_round(sc: Scenario, ev: Evaluation, accepted) -> dict:
+    """Round time when the accepted counts are known (spec section 3 payloads, section 4 timing).
+
+    The realized DL set is the DL-mode devices that rejected (the rest get a short b_j + b_id message).
+    worst_case/expected: every device receives its actual payload at the rate it was planned for;
+    realized: the DL bandwidth and power split is redone over the realized set. Lazy UL devices upload
+    a distribution only after a rejection."""
+    L = ev.draft_lens.astype(float)
+    acc_n = np.asarray(accepted, float)
+    rejected = acc_n < L
+    ul_mode = np.array([m == UL for m in ev.modes])
+    g = sc.gains_linear()
+    tokens = acc_n + 1.0
+    bits = dl_bits_realized(sc, L, rejected)
+    down = np.zeros(sc.num_devices)
+    # UL-mode devices: reply, plus the lazy second uplink only when they rejected.
+    if sc.ul_protocol == "lazy":
+        post_bits = np.where(rejected, distribution_bits(sc), 0.0)
+        down[ul_mode] = (sc.ul_reply_s * (1 + rejected[ul_mode])
+                         + post_bits[ul_mode] / ev.ul_rate_bps[ul_mode])
+    else:
+        down[ul_mode] = sc.ul_reply_s
+    dl_idx = np.flatnonzero(~ul_mode)
+    if dl_idx.size:
+        if sc.dl_provisioning == "realized":
+            big = dl_idx[bits[dl_idx] > bits_index(L[dl_idx]) + bits_per_id(sc.vocab_size)]
+            small = np.setdiff1d(dl_idx, big)
+            down[small] = sc.ul_reply_s
+            if big.size:
+                _, _, times, tau = dl_schedule(sc, bits[big], g[big])
+                down[big] = tau if sc.dl_access == "tdma" else times
+        else:
+            times = bits[dl_idx] / ev.dl_rate_bps[dl_idx]
+            down[dl_idx] = times.sum() if sc.dl_access == "tdma" else times
+    t_ver = ev.phases["verify"]
+    down_phase = float(down.max())
+    T = float(ev.uplink_s.max()) + t_ver + down_phase + sc.round_overhead_s
+    device_T = ev.uplink_s + t_ver + down + sc.round_overhead_s
+    return dict(tokens=tokens, rejected=rejected, downlink_s=down, round_time_s=T,
+                device_round_s=device_T if sc.rounds == "asynchronous" else np.full(sc.num_devices, T),
+                phases={"uplink": float(ev.uplink_s.max()), "verify": t_ver, "downlink": down_phase})

@@ -1,0 +1,296 @@
+"""The scenario schema: everything the system model (spec sections 1-9) needs, with the spec's units.
+
+A scenario is loaded from YAML or a dict; a wrong field raises `ScenarioError` whose lines name the
+field, the value and what is allowed, e.g. ``devices[1].acceptance: 1.3 is not allowed: must be in (0, 1)``.
+Every **Option** of the spec is a field with the spec's default.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from testbed import radio
+
+PATH_LOSS_LAWS = ("3gpp_macro", "free_space_2ghz")
+
+
+class ScenarioError(ValueError):
+    """A scenario that does not validate; the message has one readable line per problem."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _positive(name: str, v: float) -> float:
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"must be a finite number > 0 ({name})")
+    return v
+
+
+class Device(_Strict):
+    """One device: its channel (a gain in dB or a distance in m), radio, SLM speed and acceptance."""
+
+    name: str = Field(min_length=1)
+    channel_gain_db: Optional[float] = Field(default=None, description="g_k in dB (negative); or distance_m")
+    distance_m: Optional[float] = Field(default=None, gt=0, description="distance to the edge, m")
+    max_power_w: float = Field(default=0.2, gt=0, description="P^max_k, W (23 dBm = 0.2 W)")
+    draft_time_s: float = Field(gt=0, description="t_k, s per drafted token")
+    acceptance: float = Field(gt=0, lt=1, description="alpha_k, per-token acceptance rate")
+    uplink_bandwidth_hz: Optional[float] = Field(default=None, gt=0, description="B^U_k override, Hz")
+    energy_budget_j: Optional[float] = Field(default=None, gt=0, description="per-round UL energy E_k, J")
+
+    @model_validator(mode="after")
+    def _one_channel(self):
+        if (self.channel_gain_db is None) == (self.distance_m is None):
+            raise ValueError("give exactly one of channel_gain_db or distance_m")
+        if self.channel_gain_db is not None and not (-250.0 < self.channel_gain_db < 0.0):
+            raise ValueError(f"channel_gain_db {self.channel_gain_db} must be in (-250, 0) dB")
+        return self
+
+
+class DropSpec(_Strict):
+    """How the offline simulator draws random devices (spec section 5 defaults)."""
+
+    num_devices: int = Field(default=10, ge=1)
+    distance_m: tuple[float, float] = (50.0, 500.0)
+    draft_time_s: tuple[float, float] = (0.015, 0.060)
+    acceptance: tuple[float, float] = (0.6, 0.85)
+    max_power_w: float = Field(default=0.2, gt=0)
+
+    @field_validator("distance_m", "draft_time_s", "acceptance")
+    @classmethod
+    def _range(cls, v):
+        lo, hi = v
+        if not (0 < lo <= hi):
+            raise ValueError(f"must be a range [low, high] with 0 < low <= high, got {list(v)}")
+        return v
+
+    @field_validator("acceptance")
+    @classmethod
+    def _acc(cls, v):
+        if v[1] >= 1:
+            raise ValueError(f"acceptance range must lie in (0, 1), got {list(v)}")
+        return v
+
+
+class Scenario(_Strict):
+    """A whole scenario: global radio/compute parameters, the Options, and the devices."""
+
+    vocab_size: int = Field(default=151936, ge=2, description="V, entries of a transmitted distribution")
+    bits_per_prob: int = Field(default=16, ge=1, le=64, description="b_p, bits per probability")
+    max_draft_len: int = Field(default=12, ge=1, le=64, description="L_max")
+    noise_psd_dbm_hz: float = Field(default=-174.0, description="N_0 before the noise figure, dBm/Hz")
+    noise_figure_db: float = Field(default=9.0, ge=0)
+    uplink_bandwidth_hz: float = Field(default=1.0e6, gt=0, description="B^U per device, Hz")
+    downlink_bandwidth_hz: float = Field(default=2.0e7, gt=0, description="B^D shared, Hz")
+    downlink_power_w: float = Field(default=10.0, gt=0, description="P_s, W (40 dBm = 10 W)")
+    verify_t0_s: float = Field(default=0.02, ge=0, description="t_0 of T_ver, s")
+    verify_t1_s: float = Field(default=1.0e-4, ge=0, description="t_1 of T_ver, s per verified position")
+    round_overhead_s: float = Field(default=0.0, ge=0, description="T_0, fixed per-round overhead, s")
+    ul_reply_s: float = Field(default=1.0e-3, ge=0, description="time charged per small reply message, s")
+    path_loss_law: Literal["3gpp_macro", "free_space_2ghz"] = "3gpp_macro"
+    # Options (spec sections 3-5), defaults first in each list.
+    ul_protocol: Literal["eager", "lazy"] = "eager"
+    dl_protocol: Literal["rejected_only", "all_positions"] = "rejected_only"
+    dl_provisioning: Literal["worst_case", "expected", "realized"] = "worst_case"
+    payload_format: Literal["dense", "topk"] = "dense"
+    topk_k: int = Field(default=1024, ge=1, description="entries kept per distribution when topk")
+    verify_batch: Literal["ragged", "padded"] = "ragged"
+    dl_access: Literal["fdma_equal_split", "fdma_fixed_split", "tdma"] = "fdma_equal_split"
+    rounds: Literal["synchronous", "asynchronous"] = "synchronous"
+    drop: Optional[DropSpec] = Field(default=None, description="random-drop settings for `simulate`")
+    devices: list[Device] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = [d.name for d in self.devices]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"device names must be unique; repeated: {', '.join(dup)}")
+        return self
+
+    # ---- derived quantities (cheap, used by the model) ----
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def noise_psd_w_hz(self) -> float:
+        return radio.noise_psd_w_per_hz(self.noise_psd_dbm_hz, self.noise_figure_db)
+
+    def gains_db(self) -> np.ndarray:
+        return np.array([
+            d.channel_gain_db if d.channel_gain_db is not None
+            else radio.gain_from_distance_db(d.distance_m, self.path_loss_law)
+            for d in self.devices
+        ], dtype=float)
+
+    def gains_linear(self) -> np.ndarray:
+        return 10.0 ** (self.gains_db() / 10.0)
+
+    def device_array(self, field: str) -> np.ndarray:
+        return np.array([getattr(d, field) for d in self.devices], dtype=float)
+
+    def ul_bandwidths_hz(self) -> np.ndarray:
+        return np.array([d.uplink_bandwidth_hz or self.uplink_bandwidth_hz for d in self.devices], float)
+
+    def energy_budgets_j(self) -> np.ndarray:
+        return np.array([np.inf if d.energy_budget_j is None else d.energy_budget_j
+                         for d in self.devices], float)
+
+    # ---- rebuilding ----
+    def with_updates(self, **fields: Any) -> "Scenario":
+        """A validated copy with global fields replaced (e.g. downlink_bandwidth_hz=1e7)."""
+        data = self.model_dump(exclude_none=True)
+        data.update(fields)
+        return Scenario.from_dict(data)
+
+    def with_device_updates(self, updates: dict[str, dict[str, Any]] | None = None, *,
+                            acceptance: dict[str, float] | None = None,
+                            draft_time_s: dict[str, float] | None = None,
+                            channel_gain_db: dict[str, float] | None = None,
+                            clip_acceptance: bool = True) -> "Scenario":
+        """A validated copy with per-device fields replaced, keyed by device name.
+
+        The live controller calls this each round with online estimates. An acceptance estimate of
+        exactly 0 or 1 (all rejected / all accepted so far) is clipped into [1e-3, 1 - 1e-3] unless
+        `clip_acceptance` is False, because the model needs alpha in (0, 1). Setting channel_gain_db
+        replaces a distance."""
+        per: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (updates or {}).items()}
+        for field, mapping in (("acceptance", acceptance), ("draft_time_s", draft_time_s),
+                               ("channel_gain_db", channel_gain_db)):
+            for name, value in (mapping or {}).items():
+                per.setdefault(name, {})[field] = value
+        names = {d.name for d in self.devices}
+        unknown = sorted(set(per) - names)
+        if unknown:
+            raise ScenarioError(f"unknown device name(s) {unknown}; devices are {sorted(names)}")
+        devices = []
+        for d in self.devices:
+            dd = d.model_dump(exclude_none=True)
+            upd = per.get(d.name, {})
+            if "channel_gain_db" in upd:
+                dd.pop("distance_m", None)
+            if "distance_m" in upd:
+                dd.pop("channel_gain_db", None)
+            dd.update(upd)
+            if clip_acceptance and "acceptance" in upd:
+                dd["acceptance"] = float(min(max(dd["acceptance"], 1e-3), 1.0 - 1e-3))
+            devices.append(dd)
+        data = self.model_dump(exclude_none=True)
+        data["devices"] = devices
+        return Scenario.from_dict(data)
+
+    # ---- loading ----
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "scenario") -> "Scenario":
+        if not isinstance(data, dict):
+            raise ScenarioError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ScenarioError(format_validation_error(exc, source)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Scenario":
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise ScenarioError(f"scenario file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ScenarioError(f"{p}: not valid YAML: {exc}") from None
+        return cls.from_dict(data, source=str(p))
+
+
+def load_scenario(path_or_dict: str | Path | dict) -> Scenario:
+    if isinstance(path_or_dict, dict):
+        return Scenario.from_dict(path_or_dict)
+    return Scenario.from_yaml(path_or_dict)
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before") or str(part).startswith("function-"):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _allowed(err: dict) -> str:
+    t, ctx, msg = err["type"], err.get("ctx") or {}, err["msg"]
+    if t == "extra_forbidden":
+        return "unknown field (not part of the schema; check the spelling)"
+    if t == "missing":
+        return "required field is missing"
+    if t == "literal_error":
+        return f"must be one of {ctx.get('expected', '')}"
+    return msg.replace("Input should be", "must be").replace("Value error, ", "")
+
+
+def format_validation_error(exc: ValidationError, source: str = "scenario") -> str:
+    """One line per problem: `field: value is not allowed: rule`. Ranges on both sides are merged."""
+    lines = []
+    # pydantic reports one side of a range; the field's full interval (e.g. "(0, 1)") is clearer.
+    for err in exc.errors():
+        loc = _loc(err["loc"])
+        if err["type"] == "missing":
+            lines.append(f"{loc}: required field is missing")
+            continue
+        value = err.get("input")
+        rule = _allowed(err)
+        bounds = _field_bounds(err["loc"])
+        if bounds and err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            rule = f"must be in {bounds}"
+        if err["type"] == "value_error" and isinstance(value, dict):
+            lines.append(f"{loc}: {rule}")
+        else:
+            lines.append(f"{loc}: {value!r} is not allowed: {rule}")
+    return f"{source} is not valid:\n  " + "\n  ".join(lines)
+
+
+def _field_bounds(loc: tuple) -> str | None:
+    """The allowed interval of a numeric field, e.g. '(0, 1)', looked up from the schema."""
+    model: Any = Scenario
+    field = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return None
+        field = fields[part]
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        nested = [a for a in (inner or (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = nested[0] if nested else None
+    if field is None:
+        return None
+    lo = hi = None
+    lo_open = hi_open = True
+    for m in field.metadata:
+        if getattr(m, "gt", None) is not None:
+            lo, lo_open = m.gt, True
+        if getattr(m, "ge", None) is not None:
+            lo, lo_open = m.ge, False
+        if getattr(m, "lt", None) is not None:
+            hi, hi_open = m.lt, True
+        if getattr(m, "le", None) is not None:
+            hi, hi_open = m.le, False
+    if lo is None and hi is None:
+        return None
+    left = ("(" if lo_open else "[") + (f"{lo:g}" if lo is not None else "-inf")
+    right = (f"{hi:g}" if hi is not None else "inf") + (")" if hi_open else "]")
+    return f"{left}, {right}"

@@ -1,0 +1,208 @@
+"""The offline simulator: sweeps of one scenario parameter over seeded random drops, every policy.
+
+For each sweep point and drop the devices are drawn from the profile's `drop` settings (distances,
+drafting times and acceptance uniform in their ranges; spec section 5), each policy plans, and the
+analytic prediction is recorded. With Monte Carlo on, each plan is also run for R token-level rounds:
+accepted counts drawn from the acceptance law, the realized DL set (DL-mode devices that rejected) and
+its DL time recomputed (`model.realized_round`). Output: a tidy list of rows (one per point x drop x
+policy); `write_csv` and `sim_plots` turn it into files.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from testbed import model
+from testbed.optimizer import POLICIES, plan
+from testbed.scenario import DropSpec, Scenario
+
+# sweep key -> (scenario field or special, description)
+SWEEP_KEYS = {
+    "devices": "number of devices N (drawn per drop; the first N of the largest draw)",
+    "dl_bandwidth": "downlink_bandwidth_hz, Hz",
+    "dl_power": "downlink_power_w, W",
+    "ul_bandwidth": "uplink_bandwidth_hz, Hz",
+    "bits_per_prob": "bits_per_prob, bits",
+    "acceptance": "every device's acceptance (replaces the drop's acceptance range)",
+    "vocab_size": "vocab_size, entries",
+    "max_draft_len": "max_draft_len, tokens",
+}
+_FIELD = {"dl_bandwidth": "downlink_bandwidth_hz", "dl_power": "downlink_power_w",
+          "ul_bandwidth": "uplink_bandwidth_hz", "bits_per_prob": "bits_per_prob",
+          "vocab_size": "vocab_size", "max_draft_len": "max_draft_len"}
+_INT_KEYS = {"devices", "bits_per_prob", "vocab_size", "max_draft_len"}
+DEFAULT_POLICIES = [p for p in POLICIES if p != "exhaustive"]
+
+
+class SimulationError(ValueError):
+    """A sweep request that cannot run (unknown key, bad values, missing drop settings)."""
+
+
+def parse_sweep(text: str) -> tuple[str, list]:
+    """'KEY=V1,V2,...' -> (key, values), with clear errors."""
+    if "=" not in text:
+        raise SimulationError(f"--sweep {text!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
+    key, _, rest = text.partition("=")
+    key = key.strip()
+    if key not in SWEEP_KEYS:
+        raise SimulationError(f"sweep key {key!r} is not allowed; allowed keys: {', '.join(SWEEP_KEYS)}")
+    values = []
+    for item in rest.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            v = float(item)
+        except ValueError:
+            raise SimulationError(f"sweep value {item!r} for {key} is not a number") from None
+        if key in _INT_KEYS:
+            if not v.is_integer():
+                raise SimulationError(f"sweep value {item!r} for {key} must be an integer")
+            v = int(v)
+        values.append(v)
+    if not values:
+        raise SimulationError(f"--sweep {text!r}: no values given")
+    return key, values
+
+
+def draw_devices(drop: DropSpec, n: int, seed) -> list[dict]:
+    """n random devices per the drop settings. One stream per quantity, so the first n devices of a
+    drop are the same whatever n is (a `devices` sweep adds devices to the same drop)."""
+    d = np.random.default_rng([*seed, 0]).uniform(*drop.distance_m, size=n)
+    t = np.random.default_rng([*seed, 1]).uniform(*drop.draft_time_s, size=n)
+    a = np.random.default_rng([*seed, 2]).uniform(*drop.acceptance, size=n)
+    return [dict(name=f"d{i}", distance_m=float(d[i]), max_power_w=drop.max_power_w,
+                 draft_time_s=float(t[i]), acceptance=float(a[i])) for i in range(n)]
+
+
+def point_scenario(base: Scenario, key: str, value, drop_index: int, seed: int) -> Scenario:
+    """The scenario of one sweep point and drop."""
+    drop = base.drop
+    data = base.model_dump(exclude_none=True)
+    if drop is None:
+        if key in ("devices", "acceptance"):
+            raise SimulationError(f"sweep key {key!r} needs a `drop:` section in the profile")
+        devices = data["devices"]
+    else:
+        n = int(value) if key == "devices" else drop.num_devices
+        devices = draw_devices(drop, n, (seed, drop_index))
+    if key == "acceptance":
+        for d in devices:
+            d["acceptance"] = float(value)
+    elif key != "devices":
+        data[_FIELD[key]] = value
+    data["devices"] = devices
+    return Scenario.from_dict(data, source=f"sweep point {key}={value}")
+
+
+def monte_carlo(sc: Scenario, ev: model.Evaluation, rounds: int, rng: np.random.Generator) -> dict:
+    """Token-level simulation of `rounds` rounds of one plan: goodput and mean round time."""
+    acc = sc.device_array("acceptance")
+    tokens = np.zeros(sc.num_devices)
+    time_k = np.zeros(sc.num_devices)
+    total_T = 0.0
+    per_round = []
+    for _ in range(rounds):
+        accepted = model.draw_accepted(rng, acc, ev.draft_lens)
+        r = model.realized_round(sc, ev, accepted)
+        tokens += r["tokens"]
+        time_k += r["device_round_s"]
+        total_T += r["round_time_s"]
+        per_round.append(r["tokens"].sum() / r["round_time_s"])
+    if sc.rounds == "synchronous":
+        g = tokens.sum() / total_T
+    else:
+        g = float((tokens / time_k).sum())
+    return dict(mc_goodput_tps=float(g), mc_round_time_s=total_T / rounds,
+                mc_goodput_sem=float(np.std(per_round) / np.sqrt(rounds)))
+
+
+def run_sweep(base: Scenario, key: str, values: Iterable, *, drops: int = 5,
+              policies: list[str] | None = None, seed: int = 0, monte_carlo_rounds: int = 0,
+              fixed_length: int = 4, progress: Callable | None = None) -> list[dict]:
+    """Rows: one per (point, drop, policy). `progress(n)` is called after each plan."""
+    policies = list(policies or DEFAULT_POLICIES)
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise SimulationError(f"unknown policy {bad[0]!r}; allowed: {', '.join(POLICIES)}")
+    if key not in SWEEP_KEYS:
+        raise SimulationError(f"sweep key {key!r} is not allowed; allowed keys: {', '.join(SWEEP_KEYS)}")
+    if drops < 1:
+        raise SimulationError(f"drops: {drops} is not allowed: must be >= 1")
+    rows = []
+    for pi, value in enumerate(values):
+        for drop in range(drops):
+            sc = point_scenario(base, key, value, drop, seed)
+            for qi, policy in enumerate(policies):
+                p = plan(sc, policy, fixed_length=fixed_length, seed=seed + drop)
+                ev = p.evaluation
+                row = dict(sweep_key=key, value=value, drop=drop, policy=policy, num_devices=sc.num_devices,
+                           goodput_tps=ev.goodput_tps, round_time_s=ev.round_time_s,
+                           num_ul_devices=ev.num_ul_devices,
+                           phase_uplink_s=ev.phases["uplink"], phase_verify_s=ev.phases["verify"],
+                           phase_downlink_s=ev.phases["downlink"],
+                           mean_draft_len=float(np.mean(ev.draft_lens)),
+                           expected_tokens=float(ev.expected_tokens.sum()))
+                if monte_carlo_rounds > 0:
+                    # Common random numbers: the same stream for every policy at one point and drop.
+                    rng = np.random.default_rng([seed, drop, pi, 7])
+                    row.update(monte_carlo(sc, ev, monte_carlo_rounds, rng))
+                rows.append(row)
+                if progress:
+                    progress(1)
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(rows[0].keys())
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """{value: {policy: (mean goodput, mean K, mean MC goodput or None)}}."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r["value"], {}).setdefault(r["policy"], []).append(r)
+    summary = {}
+    for v, per in out.items():
+        summary[v] = {}
+        for p, rs in per.items():
+            mc = [r["mc_goodput_tps"] for r in rs if "mc_goodput_tps" in r]
+            summary[v][p] = (float(np.mean([r["goodput_tps"] for r in rs])),
+                             float(np.mean([r["num_ul_devices"] for r in rs])),
+                             float(np.mean(mc)) if mc else None)
+    return summary
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Mean goodput per policy per point, K* of `proposed`, and how proposed compares with the best
+    other policy (a ratio < 1 means another policy beat it on average)."""
+    s = summarize(rows)
+    key = rows[0]["sweep_key"]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    has_mc = any("mc_goodput_tps" in r for r in rows)
+    width = max(12, *(len(p) for p in policies)) + 1
+    head = f"{key:>12} " + "".join(f"{p:>{width}}" for p in policies) + f"{'K*':>7}{'best other':>{width}}{'prop/best':>10}"
+    lines = ["mean goodput, tokens/s (K* = mean UL devices of `proposed`)", head]
+    for v, per in s.items():
+        line = f"{v:>12g} " + "".join(f"{per[p][0]:>{width}.2f}" for p in policies)
+        k = per.get("proposed", (0, float("nan"), None))[1]
+        others = {p: per[p][0] for p in policies if p != "proposed"}
+        best = max(others, key=others.get) if others else "-"
+        ratio = per["proposed"][0] / others[best] if "proposed" in per and others else float("nan")
+        line += f"{k:>7.1f}{best:>{width}}{ratio:>10.4f}"
+        lines.append(line)
+    if has_mc:
+        lines.append("Monte Carlo goodput (token-level, realized DL set), tokens/s")
+        for v, per in s.items():
+            lines.append(f"{v:>12g} " + "".join(
+                f"{(per[p][2] if per[p][2] is not None else float('nan')):>{width}.2f}" for p in policies))
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""`multispin channel`: run the channel emulator standalone (`serve`) or validate it on real messages."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _floats(field: str):
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--{field}={text!r}: expected comma-separated numbers, e.g. 100,1e3") from None
+        if not values or any(not v > 0 for v in values):
+            raise argparse.ArgumentTypeError(f"--{field}={text!r}: every value must be > 0")
+        return values
+    return parse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("channel", help="the channel emulator: serve it, validate it")
+    sub = p.add_subparsers(dest="channel_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    v = sub.add_parser("validate", help="achieved vs configured air time through a real emulator process")
+    v.add_argument("--sizes", type=_floats("sizes"), default=None,
+                   help="payload sizes in bytes (default 100,1e3,1e4,1e5,1e6,1e7)")
+    v.add_argument("--rates", type=_floats("rates"), default=None,
+                   help="rates in bit/s (default 0.1e6,1e6,10e6,100e6)")
+    v.add_argument("--repeats", type=int, default=None,
+                   help="messages per cell (default: 21 for cells under 0.1 s, 5 otherwise)")
+    v.add_argument("--mode", choices=["real", "virtual"], default="real")
+    v.add_argument("--max-modeled-s", type=float, default=3.0, help="skip cells whose air time exceeds this")
+    v.add_argument("--spin-s", type=float, default=0.0005, help="the emulator's busy-wait window (s)")
+    v.add_argument("--lead", default="auto",
+                   help="'auto' (calibrate the transport time outside the hold first), or 'A,B': release "
+                        "A + B*bytes seconds early ('0,0': no compensation)")
+    v.add_argument("--no-marker", action="store_true", help="do not send tx_start markers")
+    v.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    v.set_defaults(handler=_validate)
+
+    s = sub.add_parser("serve", help="run the emulator standalone (e.g. between LAN devices and the edge)")
+    s.add_argument("--frontend", required=True, help="bind endpoint for devices, e.g. tcp://0.0.0.0:5600")
+    s.add_argument("--edge", required=True, help="the edge ROUTER to connect to, e.g. tcp://edge-host:5555")
+    s.add_argument("--control", required=True, help="bind endpoint of the control REP, e.g. tcp://0.0.0.0:5601")
+    s.add_argument("--mode", choices=["real", "virtual"], default="real",
+                   help="real: hold messages for their air time; virtual: forward at once, annotate only")
+    s.add_argument("--spin-s", type=float, default=0.0005, help="busy-wait window before a deadline (s)")
+    s.add_argument("--marker-ttl-s", type=float, default=5.0, help="ignore tx_start markers older than this")
+    s.set_defaults(handler=_serve)
+
+
+def _validate(args) -> int:
+    from testbed.cli import CliError
+    from channel_emulator import validate
+
+    if args.repeats is not None and args.repeats < 1:
+        raise CliError(f"--repeats={args.repeats}: allowed: an integer >= 1")
+    if args.lead == "auto":
+        lead = "auto"
+    else:
+        try:
+            a, b = (float(x) for x in args.lead.split(","))
+        except ValueError:
+            raise CliError(
+                f"--lead={args.lead!r}: allowed: 'auto' or two numbers 'A,B' (seconds, seconds/byte)") from None
+        lead = (a, b)
+    sizes = [int(x) for x in (args.sizes or validate.DEFAULT_SIZES)]
+    rates = args.rates or validate.DEFAULT_RATES
+
+    def progress(i, n, cell):
+        what = "skipped" if cell.skipped else f"median err {100 * cell.summary()['median_error']:+.3f}%"
+        print(f"[{i}/{n}] {cell.size} B at {cell.rate_bps / 1e6:g} Mbit/s: {what}", file=sys.stderr, flush=True)
+
+    try:
+        cells, lead_info = validate.run_validation(sizes=sizes, rates=rates, repeats=args.repeats, mode=args.mode,
+                                                   max_modeled_s=args.max_modeled_s, spin_s=args.spin_s,
+                                                   use_marker=not args.no_marker, lead=lead, progress=progress)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"mode": args.mode, "lead": lead_info, "cells": [c.summary() for c in cells]}, indent=1))
+    else:
+        print(f"mode {args.mode}; lead {1e3 * lead_info['lead_s']:.3f} ms + "
+              f"{1e9 * lead_info['lead_per_byte_s']:.3f} ns/byte"
+              + (" (calibrated)" if lead == "auto" else ""))
+        print(validate.format_table(cells))
+    return 0
+
+
+def _serve(args) -> int:
+    from channel_emulator.proxy import run_proxy
+
+    print(f"channel emulator ({args.mode}): devices -> {args.frontend}, edge at {args.edge}, "
+          f"control at {args.control}", file=sys.stderr, flush=True)
+    run_proxy(args.frontend, args.edge, args.control, mode=args.mode, spin_s=args.spin_s,
+              marker_ttl_s=args.marker_ttl_s)
+    return 0

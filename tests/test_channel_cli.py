@@ -1,0 +1,83 @@
+"""`multispin channel validate` and `multispin channel serve` end to end (small grids; no speed assertions)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+
+from channel_emulator.proxy import ChannelControl
+from channel_emulator.validate import _percentile
+from testbed.cli import main
+from testbed.protocol import decode_header, encode_header
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_validate_json_reports_every_cell_and_skips_long_ones(capsys):
+    rc = main(["channel", "validate", "--sizes", "2000,1e6", "--rates", "1e6", "--repeats", "3", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "real" and out["lead"]["lead_s"] >= 0
+    small, big = out["cells"]
+    assert big["skipped"] and "> 3.0 s" in big["skipped"]
+    assert small["skipped"] is None and small["repeats"] == 3
+    assert small["modeled_s"] == pytest.approx(8 * (2000 + len(encode_header({"type": "payload", "air": "ul",
+                                                                                 "seq": 0}))) / 1e6)
+    # The message really was held (loose: the machine is shared; accuracy is the validate table's job).
+    assert small["achieved_median_s"] > 0.5 * small["modeled_s"]
+    assert small["emulator_held_median_s"] > 0.5 * small["modeled_s"]
+    assert small["in_target_scope"] is True and isinstance(small["meets_target"], bool)
+
+
+def test_validate_table_and_bad_arguments(capsys):
+    assert main(["channel", "validate", "--sizes", "500", "--rates", "1e6", "--repeats", "2", "--lead", "0,0"]) == 0
+    out = capsys.readouterr().out
+    assert "lead 0.000 ms" in out and "median err" in out and "cells meet it" in out
+    assert main(["channel", "validate", "--repeats", "0"]) == 2
+    assert "--repeats=0" in capsys.readouterr().err
+    assert main(["channel", "validate", "--lead", "soon"]) == 2
+    assert "--lead='soon'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["channel", "validate", "--rates", "0,1e6"])
+    assert "every value must be > 0" in capsys.readouterr().err
+
+
+def test_percentile_matches_linear_interpolation():
+    assert _percentile([1.0], 95) == 1.0
+    assert _percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    assert _percentile([3, 1, 2], 50) == 2
+
+
+def test_serve_runs_the_proxy_standalone(tmp_path):
+    eps = {k: f"ipc://{tmp_path}/{k}" for k in ("front", "edge", "ctl")}
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "channel", "serve", "--frontend", eps["front"],
+                             "--edge", eps["edge"], "--control", eps["ctl"], "--mode", "virtual"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ctx = zmq.Context()
+    edge, dev = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    control = ChannelControl(eps["ctl"], timeout_s=20, context=ctx)
+    try:
+        for s in (edge, dev):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, 20_000)
+        edge.bind(eps["edge"])
+        dev.setsockopt(zmq.ROUTING_ID, b"d1")
+        dev.connect(eps["front"])
+        assert control.configure(round=1, links={"d1": {"ul_rate_bps": 1e6}})["mode"] == "virtual"
+        dev.send_multipart([encode_header({"type": "draft", "air": "ul"}), bytes(1000)])
+        ident, h, _ = edge.recv_multipart()
+        assert ident == b"d1" and decode_header(h)["channel"]["mode"] == "virtual"
+        assert control.stats()["links"]["d1"]["ul"]["messages"] == 1
+        control.stop()
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # started by this test: ended by its handle
+            proc.wait()
+        edge.close(linger=0)
+        dev.close(linger=0)
+        control.close()
+        ctx.term()

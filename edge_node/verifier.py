@@ -1,0 +1,174 @@
+"""Batched verification of several devices' drafts with one PyTorch forward pass.
+
+Each session (device) keeps its own KV cache. Invariant: every committed token except the `held` ones is in
+the cache, and at least one committed token is always held back, so the next forward has a query at the
+position that scores the first draft. A batch is laid out as
+
+    [ left-padded past (T = max cached length) | right-padded new tokens (S = max held+pending+drafts) ]
+
+with a 2-D attention mask that hides the padding and per-row position ids, so devices with different
+context and draft lengths share one forward. The per-session slices of the new cache are stashed and
+`commit` trims them to the accepted prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class _Session:
+    keys: list  # per layer (1, H_kv, T, D)
+    values: list
+    held: list[int]  # committed tokens not in the cache (always >= 1 between rounds)
+    proposal: tuple | None = None  # (keys, values, new_ids, n_prefix) from the last verify, until commit
+    context_len: int = 0  # committed tokens in total
+
+    @property
+    def cached(self) -> int:
+        return int(self.keys[0].shape[2]) if self.keys else 0
+
+
+def cache_kwarg(model) -> str:
+    """Name of the KV-cache argument: `cache` in newer transformers 5.x, `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class BatchedVerifier:
+    def __init__(self, model, device: str | None = None, *, threads: int | None = None) -> None:
+        if threads is not None:
+            if int(threads) != threads or threads < 1:
+                raise ValueError(f"threads={threads!r}: must be an integer >= 1")
+            torch.set_num_threads(int(threads))
+        self.device = torch.device(device or default_device())
+        self.model = model.to(self.device).eval()
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.n_layers = cfg.num_hidden_layers
+        heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.dtype = next(model.parameters()).dtype
+        self.sessions: dict[str, _Session] = {}
+        self._cache_kw = cache_kwarg(model)
+
+    # -- sessions ----------------------------------------------------------------------------------------
+    def open(self, session: str, prompt_ids: list[int]) -> None:
+        """Start (or restart) a session; the prompt is prefilled at the first verify."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError(f"session {session!r}: prompt_ids is empty, need at least one token")
+        self._check_ids(session, "prompt_ids", ids)
+        empty = [torch.zeros((1, self.kv_heads, 0, self.head_dim), dtype=self.dtype, device=self.device)
+                 for _ in range(self.n_layers)]
+        self.sessions[session] = _Session(list(empty), list(empty), ids, None, len(ids))
+
+    def close(self, session: str) -> None:
+        self.sessions.pop(session, None)
+
+    def context_length(self, session: str) -> int:
+        return self._get(session).context_len
+
+    def _get(self, session: str) -> _Session:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise KeyError(f"session {session!r} is not open (open: {sorted(self.sessions)})") from None
+
+    def _check_ids(self, session: str, name: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"session {session!r}: {name} ids {bad[:5]} outside [0, {self.vocab_size})")
+
+    # -- verification ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def verify(self, items: list[tuple[str, list[int], list[int]]]) -> list[np.ndarray]:
+        """One forward for all items; per item the target logits (L+1, V) float32 scoring the L drafts and
+        the bonus position."""
+        if not items:
+            return []
+        names = [it[0] for it in items]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sessions {names}: each session at most once per batch")
+        rows = []
+        for name, pending, drafts in items:
+            s = self._get(name)
+            if s.proposal is not None:
+                raise RuntimeError(f"session {name!r}: verify() again before commit() of the last round")
+            pending, drafts = [int(t) for t in pending], [int(t) for t in drafts]
+            self._check_ids(name, "pending_ids", pending)
+            self._check_ids(name, "draft_ids", drafts)
+            prefix = s.held + pending
+            rows.append((s, prefix + drafts, len(prefix), len(drafts)))
+
+        b = len(rows)
+        t_max = max(r[0].cached for r in rows)
+        s_max = max(len(r[1]) for r in rows)
+        dev = self.device
+        input_ids = torch.zeros((b, s_max), dtype=torch.long, device=dev)
+        position_ids = torch.zeros((b, s_max), dtype=torch.long, device=dev)
+        mask = torch.zeros((b, t_max + s_max), dtype=torch.long, device=dev)
+        past = []
+        for layer in range(self.n_layers):
+            k = torch.zeros((b, self.kv_heads, t_max, self.head_dim), dtype=self.dtype, device=dev)
+            v = torch.zeros_like(k)
+            for i, (s, _, _, _) in enumerate(rows):
+                t = s.cached
+                if t:
+                    k[i, :, t_max - t:] = s.keys[layer][0]
+                    v[i, :, t_max - t:] = s.values[layer][0]
+            past.append((k, v))
+        for i, (s, new, _, _) in enumerate(rows):
+            t, n = s.cached, len(new)
+            input_ids[i, :n] = torch.tensor(new, dtype=torch.long)
+            position_ids[i] = torch.arange(t, t + s_max)  # padded tail continues counting: never attended
+            mask[i, t_max - t:t_max + n] = 1
+
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=past)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                         use_cache=True, **{self._cache_kw: cache})
+        present = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        logits = out.logits.float()
+        results = []
+        for i, (s, new, n_prefix, n_drafts) in enumerate(rows):
+            t = s.cached
+            lo, hi = t_max - t, t_max + len(new)
+            keys = [layer.keys[i:i + 1, :, lo:hi].clone() for layer in present.layers]
+            values = [layer.values[i:i + 1, :, lo:hi].clone() for layer in present.layers]
+            s.proposal = (keys, values, new, n_prefix, n_drafts)
+            results.append(logits[i, n_prefix - 1:n_prefix + n_drafts].cpu().numpy())
+        return results
+
+    def commit(self, session: str, n_accepted: int) -> None:
+        """Keep context + pending + the first n_accepted drafts; the last kept token is held for next time."""
+        s = self._get(session)
+        if s.proposal is None:
+            raise RuntimeError(f"session {session!r}: commit() without a preceding verify()")
+        keys, values, new, n_prefix, n_drafts = s.proposal
+        if int(n_accepted) != n_accepted or not 0 <= n_accepted <= n_drafts:
+            raise ValueError(f"session {session!r}: n_accepted={n_accepted!r} must be in 0..{n_drafts}")
+        committed = n_prefix + int(n_accepted)  # new tokens now part of the context (>= 1)
+        keep = s.cached + committed - 1
+        s.keys = [k[:, :, :keep] for k in keys]
+        s.values = [v[:, :, :keep] for v in values]
+        s.held = [new[committed - 1]]
+        s.context_len = keep + 1
+        s.proposal = None
+
+
+def load_target(path_or_dir, device: str | None = None, dtype=None):
+    """A target causal LM from a Hugging Face directory or a GGUF file (see edge_node.checkpoints)."""
+    from edge_node.checkpoints import load_causal_lm
+
+    return load_causal_lm(path_or_dir, device=device or default_device(), dtype=dtype)

@@ -1,0 +1,227 @@
+"""Lossless speculative sampling primitives (numpy only: device processes import this).
+
+One round for one device (system model, section 2):
+  accept x_i while u_i < p_i(x_i) / q_i(x_i); at the first rejection j sample the correction from
+  norm(max(0, p_j - q_j)); if all L drafts pass, sample the bonus from p_{L+1}.
+
+UL mode runs `speculative_round` at the edge. DL mode composes the same functions: the edge calls
+`count_accepted` on scalars and, on a rejection, sends p_j; the device calls `sample_correction` with its own
+q_j. Both modes draw from one `RoundRandomness`, so a device produces the same tokens in either mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Transforms applied identically to the target's p and the draft's q."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 = greedy)")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1] (1 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Logits (..., V) -> probabilities (..., V) after temperature, top-k, then top-p; rows sum to 1.
+
+    Computed in float64 and returned in the input's float dtype (float32 or float64). Temperature 0 gives a
+    one-hot row at the argmax (lowest index on ties), which makes speculative sampling reproduce greedy
+    decoding of the target exactly.
+    """
+    x = np.asarray(logits)
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"logits shape {x.shape}: need (..., V) with V >= 1")
+    out_dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
+    x = x.astype(np.float64, copy=False)
+    if np.isnan(x).any():
+        raise ValueError("logits contain NaN")
+    v = x.shape[-1]
+    if params.greedy:
+        probs = np.zeros_like(x)
+        np.put_along_axis(probs, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
+        return probs.astype(out_dtype)
+    z = x / params.temperature
+    if params.top_k and params.top_k < v:
+        # Keep exactly the k largest (stable order: ties resolved towards the lower index).
+        order = np.argsort(-z, axis=-1, kind="stable")
+        drop = order[..., params.top_k:]
+        z = z.copy()
+        np.put_along_axis(z, drop, -np.inf, axis=-1)
+    z = z - np.max(z, axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        # Smallest prefix of the descending order whose mass reaches top_p (always at least one token).
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly before each entry
+        keep_sorted = before < params.top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs.astype(out_dtype)
+
+
+def _name_key(device: str) -> int:
+    # Stable across processes and machines (Python's hash() is salted per process).
+    return int.from_bytes(hashlib.sha256(device.encode("utf-8")).digest()[:8], "little")
+
+
+class RoundRandomness:
+    """All random draws of one (session seed, device, round).
+
+    Independent sub-streams: acceptance uniforms, the final (correction or bonus) draw, and drafting. Each
+    call recreates its stream, so the edge and the device get the same numbers whichever of them asks and
+    however many acceptance uniforms were consumed before.
+    """
+
+    _ACCEPT, _FINAL, _DRAFT = 0, 1, 2
+
+    def __init__(self, seed: int, device: str, round_index: int) -> None:
+        if int(seed) != seed or seed < 0:
+            raise ValueError(f"seed={seed!r}: must be an integer >= 0")
+        if not isinstance(device, str) or not device:
+            raise ValueError(f"device={device!r}: must be a non-empty string")
+        if int(round_index) != round_index or round_index < 0:
+            raise ValueError(f"round_index={round_index!r}: must be an integer >= 0")
+        self.seed, self.device, self.round_index = int(seed), device, int(round_index)
+        self._entropy = [self.seed, _name_key(device), self.round_index]
+
+    def _gen(self, stream: int) -> np.random.Generator:
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence(self._entropy + [stream])))
+
+    def acceptance_uniforms(self, n: int) -> np.ndarray:
+        """u_1..u_n in [0, 1); a prefix of a longer request (same round) is identical."""
+        if int(n) != n or n < 0:
+            raise ValueError(f"n={n!r}: must be an integer >= 0")
+        return self._gen(self._ACCEPT).random(int(n))
+
+    def final_uniform(self) -> float:
+        """The single draw for the correction or the bonus token."""
+        return float(self._gen(self._FINAL).random())
+
+    def draft_generator(self) -> np.random.Generator:
+        """A generator for the device's drafting in this round (independent of the verification draws)."""
+        return self._gen(self._DRAFT)
+
+
+def count_accepted(
+    draft_tokens: Sequence[int],
+    q_at_tokens: Sequence[float],
+    p_at_tokens: Sequence[float],
+    uniforms: Sequence[float],
+) -> int:
+    """Number of drafts accepted before the first rejection.
+
+    x_i is accepted iff u_i * q_i(x_i) < p_i(x_i), i.e. u_i < p/q with u_i in [0, 1): probability exactly
+    min(1, p/q), and p(x) = 0 always rejects.
+    """
+    n = len(draft_tokens)
+    q = np.asarray(q_at_tokens, dtype=np.float64)
+    p = np.asarray(p_at_tokens, dtype=np.float64)
+    u = np.asarray(uniforms, dtype=np.float64)
+    if not (q.shape == (n,) and p.shape == (n,) and u.shape[0] >= n):
+        raise ValueError(
+            f"lengths: {n} draft tokens, q_at_tokens {q.shape}, p_at_tokens {p.shape}, uniforms {u.shape}:"
+            " q and p need one value per draft token, uniforms at least as many")
+    for i in range(n):
+        if not q[i] > 0:
+            # A token sampled from q has q > 0; anything else means the wrong q was sent.
+            raise ValueError(f"q_at_tokens[{i}]={q[i]!r} for draft token {draft_tokens[i]}: a sampled token"
+                             " must have q > 0 (is q the distribution it was sampled from?)")
+        if not u[i] * q[i] < p[i]:
+            return i
+    return n
+
+
+def _inverse_cdf(weights: np.ndarray, u: float) -> int:
+    """Index i with cdf[i-1] <= u * total < cdf[i]: never an entry of weight 0."""
+    cdf = np.cumsum(weights)
+    total = cdf[-1]
+    i = int(np.searchsorted(cdf, u * total, side="right"))
+    if i >= len(cdf):  # u * total rounded up to total: take the last entry with weight
+        i = int(np.flatnonzero(weights > 0)[-1])
+    return i
+
+
+def _check_row(name: str, row: np.ndarray) -> np.ndarray:
+    r = np.asarray(row, dtype=np.float64)
+    if r.ndim != 1 or r.size == 0:
+        raise ValueError(f"{name} shape {r.shape}: must be a non-empty 1-D distribution")
+    if not np.isfinite(r).all() or (r < 0).any():
+        raise ValueError(f"{name}: values must be finite and >= 0")
+    if not r.sum() > 0:
+        raise ValueError(f"{name}: all zero, not a distribution")
+    return r
+
+
+def _check_u(u: float) -> float:
+    if not (0.0 <= u < 1.0):
+        raise ValueError(f"u={u!r}: must be in [0, 1)")
+    return float(u)
+
+
+def sample_from(p_row: np.ndarray, u: float) -> int:
+    """Inverse-CDF sample from a (possibly unnormalised) distribution with the uniform u."""
+    return _inverse_cdf(_check_row("p_row", p_row), _check_u(u))
+
+
+def sample_correction(p_row: np.ndarray, q_row: np.ndarray, u: float) -> int:
+    """Correction token from norm(max(0, p - q)) with the uniform u."""
+    p = _check_row("p_row", p_row)
+    q = _check_row("q_row", q_row)
+    if p.shape != q.shape:
+        raise ValueError(f"p_row has {p.size} entries, q_row {q.size}: compare over a common vocabulary")
+    # Both normalised so the residual is the textbook one even for float32 rows that sum to 1 +- 1e-7.
+    residual = np.maximum(0.0, p / p.sum() - q / q.sum())
+    if not residual.sum() > 0:
+        # p == q: a rejection then has probability 0 and only rounding can reach here; the residual's
+        # limit as q -> p is undefined, and sampling p keeps the output distributed as the target.
+        residual = p
+    return _inverse_cdf(residual, _check_u(u))
+
+
+def speculative_round(
+    draft_tokens: Sequence[int],
+    q_rows: np.ndarray,
+    p_rows: np.ndarray,
+    rr: RoundRandomness,
+) -> tuple[int, int]:
+    """UL-mode round at the edge: returns (accepted count, correction or bonus token)."""
+    n = len(draft_tokens)
+    q_rows = np.asarray(q_rows)
+    p_rows = np.asarray(p_rows)
+    if q_rows.ndim != 2 or q_rows.shape[0] != n:
+        raise ValueError(f"q_rows shape {q_rows.shape}: need ({n}, V) for {n} draft tokens")
+    if p_rows.ndim != 2 or p_rows.shape[0] != n + 1:
+        raise ValueError(f"p_rows shape {p_rows.shape}: need ({n + 1}, V) for {n} draft tokens")
+    if n and q_rows.shape[1] != p_rows.shape[1]:
+        raise ValueError(f"q_rows V={q_rows.shape[1]} but p_rows V={p_rows.shape[1]}: must match")
+    toks = np.asarray(draft_tokens, dtype=np.int64)
+    v = p_rows.shape[1]
+    if n and ((toks < 0).any() or (toks >= v).any()):
+        raise ValueError(f"draft_tokens {list(draft_tokens)}: ids must be in [0, {v})")
+    idx = np.arange(n)
+    accepted = count_accepted(toks, q_rows[idx, toks], p_rows[idx, toks], rr.acceptance_uniforms(n))
+    if accepted < n:
+        return accepted, sample_correction(p_rows[accepted], q_rows[accepted], rr.final_uniform())
+    return n, sample_from(p_rows[n], rr.final_uniform())

@@ -1,0 +1,117 @@
+"""The ONNX drafter (device side): logits equal PyTorch's at every step, also after rollback; q is exactly
+the distribution each draft token was sampled from; the device never imports torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from device_node.drafter import OnnxDrafter
+from testbed.sampling import RoundRandomness, SamplingParams, to_probs
+
+
+@pytest.fixture(scope="module")
+def torch_draft(micro_pair):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(str(micro_pair.draft_dir)).eval()
+
+
+def _ref_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].numpy()
+
+
+def test_onnx_logits_match_pytorch_every_step_including_after_rollback(micro_pair, torch_draft):
+    d = OnnxDrafter(micro_pair.draft_onnx, threads=1)
+    prompt = list(range(3, 40, 2))
+    d.reset(prompt)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(1.0)
+    ctx = list(prompt)
+    # cover full acceptance (cache keeps L-1, last draft re-fed), zero acceptance and partial acceptance
+    plan = [(4, 4), (3, 0), (5, 2), (1, 1), (2, 0), (6, 6), (4, 3)]
+    for n, n_acc in plan:
+        toks, q = d.draft(n, params, rng)
+        ref = _ref_logits(torch_draft, ctx + toks[:-1])[len(ctx) - 1:]
+        assert d.last_logits.shape == ref.shape == (n, d.vocab_size)
+        np.testing.assert_allclose(d.last_logits, ref, atol=1e-4, rtol=0)
+        # q rows are the transforms of exactly these logits, and they produced the tokens
+        np.testing.assert_array_equal(q, to_probs(d.last_logits.astype(np.float32), params))
+        assert q.dtype == np.float32
+        assert all(q[i, t] > 0 for i, t in enumerate(toks))
+        nxt = int(rng.integers(d.vocab_size))
+        d.commit(n_acc, nxt)
+        ctx += toks[:n_acc] + [nxt]
+        assert d.context == ctx
+        assert d.cache_length <= len(ctx) - 1
+    trace = d.logits_trace(ctx)
+    np.testing.assert_allclose(trace, _ref_logits(torch_draft, ctx), atol=1e-4, rtol=0)
+    assert d.context == ctx  # the trace leaves the state alone
+
+
+def test_greedy_drafts_equal_pytorch_greedy(micro_pair, torch_draft):
+    d = OnnxDrafter(micro_pair.draft_onnx)
+    prompt = [10, 20, 30, 40]
+    d.reset(prompt)
+    toks, q = d.draft(8, SamplingParams(temperature=0), np.random.default_rng(0))
+    ctx = list(prompt)
+    for _ in range(8):
+        ctx.append(int(_ref_logits(torch_draft, ctx)[-1].argmax()))
+    assert toks == ctx[len(prompt):]
+    assert (q.max(axis=1) == 1.0).all()
+
+
+def test_drafting_is_reproducible_from_round_randomness(micro_pair):
+    runs = []
+    for _ in range(2):
+        d = OnnxDrafter(micro_pair.draft_onnx)
+        d.reset([1, 2, 3])
+        out = []
+        for r in range(3):
+            toks, _ = d.draft(3, SamplingParams(0.9, top_k=50), RoundRandomness(4, "dev", r).draft_generator())
+            d.commit(1, 7)
+            out.append(toks)
+        runs.append(out)
+    assert runs[0] == runs[1]
+
+
+def test_drafter_errors_are_clear(micro_pair, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere.onnx"):
+        OnnxDrafter(tmp_path / "nothere.onnx")
+    d = OnnxDrafter(micro_pair.draft_onnx)
+    with pytest.raises(RuntimeError, match="reset"):
+        d.draft(2, SamplingParams(), np.random.default_rng(0))
+    with pytest.raises(ValueError, match="prompt_ids"):
+        d.reset([])
+    with pytest.raises(ValueError, match="outside"):
+        d.reset([d.vocab_size])
+    d.reset([1, 2])
+    with pytest.raises(RuntimeError, match="commit"):
+        d.commit(0, 1)
+    with pytest.raises(ValueError, match="n="):
+        d.draft(0, SamplingParams(), np.random.default_rng(0))
+    d.draft(2, SamplingParams(), np.random.default_rng(0))
+    with pytest.raises(ValueError, match="n_accepted"):
+        d.commit(3, 1)
+    with pytest.raises(RuntimeError, match="twice"):
+        d.draft(2, SamplingParams(), np.random.default_rng(0))
+
+
+def test_device_side_imports_no_torch(micro_pair):
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from device_node.drafter import OnnxDrafter\n"
+        "from testbed.sampling import SamplingParams, sample_correction\n"
+        f"d = OnnxDrafter({str(micro_pair.draft_onnx)!r})\n"
+        "d.reset([1, 2, 3]); d.draft(2, SamplingParams(), np.random.default_rng(0))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

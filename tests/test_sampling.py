@@ -1,0 +1,331 @@
+"""Losslessness of the speculative-sampling primitives: exact enumeration, chi-square tests, UL == DL."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from testbed.sampling import (RoundRandomness, SamplingParams, count_accepted, sample_correction, sample_from,
+                              speculative_round, to_probs)
+
+# --- transforms -------------------------------------------------------------------------------------------
+
+
+def test_to_probs_rows_sum_to_one_and_keep_dtype():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 5, 11)).astype(np.float32)
+    for params in (SamplingParams(), SamplingParams(0.7, 4, 0.9), SamplingParams(2.0, 0, 0.5)):
+        p = to_probs(logits, params)
+        assert p.dtype == np.float32 and p.shape == logits.shape
+        np.testing.assert_allclose(p.sum(-1), 1.0, atol=1e-6)
+        assert (p >= 0).all()
+
+
+def test_temperature_one_is_softmax_and_temperature_scales():
+    x = np.array([1.0, 2.0, 0.5, -1.0])
+    e = np.exp(x - x.max())
+    np.testing.assert_allclose(to_probs(x, SamplingParams()), e / e.sum(), rtol=1e-14)
+    e2 = np.exp((x - x.max()) / 0.5)
+    np.testing.assert_allclose(to_probs(x, SamplingParams(0.5)), e2 / e2.sum(), rtol=1e-14)
+
+
+def test_greedy_is_one_hot_argmax_lowest_index_on_ties():
+    p = to_probs(np.array([[0.1, 3.0, 3.0, -2.0]]), SamplingParams(temperature=0))
+    assert p.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_top_k_keeps_exactly_k_largest():
+    x = np.array([0.0, 5.0, 1.0, 4.0, 2.0])
+    p = to_probs(x, SamplingParams(top_k=2))
+    assert np.flatnonzero(p).tolist() == [1, 3]
+    np.testing.assert_allclose(p[[1, 3]], np.exp([5.0, 4.0]) / np.exp([5.0, 4.0]).sum())
+
+
+def test_top_p_keeps_smallest_prefix_reaching_mass():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs)
+    # (exact boundaries such as top_p = 0.8 = 0.5 + 0.3 are at the mercy of rounding: test either side)
+    assert np.flatnonzero(to_probs(logits, SamplingParams(top_p=0.49))).tolist() == [0]
+    assert np.flatnonzero(to_probs(logits, SamplingParams(top_p=0.51))).tolist() == [0, 1]
+    assert np.flatnonzero(to_probs(logits, SamplingParams(top_p=0.79))).tolist() == [0, 1]
+    assert np.flatnonzero(to_probs(logits, SamplingParams(top_p=0.81))).tolist() == [0, 1, 2]
+    np.testing.assert_allclose(to_probs(logits, SamplingParams(top_p=0.79))[:2], [0.625, 0.375])
+
+
+@pytest.mark.parametrize("kwargs,field", [({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"),
+                                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                                          ({"temperature": float("nan")}, "temperature")])
+def test_bad_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+# --- primitives and edge cases ----------------------------------------------------------------------------
+
+
+def test_p_zero_always_rejects_even_with_u_zero():
+    assert count_accepted([3], [0.5], [0.0], [0.0]) == 0
+
+
+def test_q_zero_for_a_drafted_token_is_an_error():
+    with pytest.raises(ValueError, match="q_at_tokens"):
+        count_accepted([3], [0.0], [0.5], [0.1])
+
+
+def test_count_accepted_stops_at_first_rejection():
+    # ratios 1, 0.5, 1 with u = 0.9, 0.6, 0.0 -> accept, reject (0.6 >= 0.5): 1 accepted
+    assert count_accepted([0, 1, 2], [0.2, 0.4, 0.1], [0.3, 0.2, 0.5], [0.9, 0.6, 0.0]) == 1
+    assert count_accepted([0, 1, 2], [0.2, 0.4, 0.1], [0.3, 0.2, 0.5], [0.9, 0.4, 0.99]) == 3
+
+
+def test_correction_never_samples_where_p_le_q():
+    p = np.array([0.5, 0.2, 0.3, 0.0])
+    q = np.array([0.1, 0.6, 0.3, 0.0])
+    for u in np.linspace(0, 1, 1001, endpoint=False):
+        assert sample_correction(p, q, u) == 0  # residual (0.4, 0, 0, 0)
+
+
+def test_correction_with_p_equal_q_falls_back_to_p():
+    p = np.array([0.25, 0.0, 0.75])
+    assert sample_correction(p, p.copy(), 0.1) == 0
+    assert sample_correction(p, p.copy(), 0.5) == 2
+
+
+def test_sample_from_never_picks_zero_mass_entries():
+    p = np.array([0.0, 0.3, 0.0, 0.7, 0.0])
+    got = {sample_from(p, u) for u in np.linspace(0, 1, 10001, endpoint=False)}
+    assert got == {1, 3}
+    assert sample_from(p, np.nextafter(1.0, 0.0)) == 3
+
+
+def test_round_randomness_is_deterministic_and_separated():
+    a, b = RoundRandomness(5, "dev-1", 3), RoundRandomness(5, "dev-1", 3)
+    np.testing.assert_array_equal(a.acceptance_uniforms(6), b.acceptance_uniforms(6))
+    np.testing.assert_array_equal(a.acceptance_uniforms(6)[:2], b.acceptance_uniforms(2))
+    assert a.final_uniform() == b.final_uniform()
+    others = [RoundRandomness(5, "dev-2", 3), RoundRandomness(5, "dev-1", 4), RoundRandomness(6, "dev-1", 3)]
+    for o in others:
+        assert o.final_uniform() != a.final_uniform()
+    with pytest.raises(ValueError, match="device"):
+        RoundRandomness(1, "", 0)
+    with pytest.raises(ValueError, match="round_index"):
+        RoundRandomness(1, "d", -1)
+
+
+def test_shape_errors_are_clear():
+    rr = RoundRandomness(0, "d", 0)
+    with pytest.raises(ValueError, match="p_rows shape"):
+        speculative_round([1, 2], np.full((2, 4), 0.25), np.full((2, 4), 0.25), rr)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        speculative_round([7], np.full((1, 4), 0.25), np.full((2, 4), 0.25), rr)
+
+
+# --- exact enumeration ------------------------------------------------------------------------------------
+# The code's random choices are deterministic functions of uniforms and piecewise constant between known
+# breakpoints, so evaluating them at interval midpoints and weighting by interval lengths gives the exact
+# output distribution of the code itself.
+
+
+def _intervals(breaks):
+    b = np.unique(np.clip(np.concatenate([[0.0, 1.0], np.asarray(breaks, float)]), 0.0, 1.0))
+    top = np.nextafter(1.0, 0.0)  # a midpoint of an interval of width ~1e-16 below 1 can round up to 1
+    return [(min((lo + hi) / 2, top), hi - lo) for lo, hi in zip(b[:-1], b[1:]) if hi > lo]
+
+
+def _cdf_breaks(w):
+    w = np.maximum(np.asarray(w, float), 0)
+    return np.cumsum(w) / w.sum()
+
+
+def _code_token_dist(fn, weights_for_breaks):
+    out: dict[int, float] = {}
+    for mid, length in _intervals(_cdf_breaks(weights_for_breaks)):
+        y = fn(mid)
+        out[y] = out.get(y, 0.0) + length
+    return out
+
+
+def _toy_model(vocab: int, seed: int, params: SamplingParams, peaky: float):
+    @functools.lru_cache(maxsize=None)
+    def dist(prefix: tuple) -> np.ndarray:
+        r = np.random.default_rng([seed, len(prefix), *prefix])
+        logits = r.normal(scale=peaky, size=vocab)
+        if r.random() < 0.3:
+            logits[r.integers(vocab)] = -np.inf  # exact zeros in some rows
+        return to_probs(np.where(np.isfinite(logits), logits, -1e300), params)
+    return dist
+
+
+def _round_outcomes(prefix, draft_len, p_model, q_model):
+    """Exact {(n_accepted, next_token, drafts): probability} of one round, through the code's functions."""
+    out = {}
+
+    def rec(drafts, prob):
+        if len(drafts) == draft_len:
+            q_rows = [q_model(prefix + drafts[:i]) for i in range(draft_len)]
+            p_rows = [p_model(prefix + drafts[:i]) for i in range(draft_len + 1)]
+            reach = prob
+            for j in range(draft_len + 1):
+                if j == draft_len:
+                    for y, w in _code_token_dist(lambda u: sample_from(p_rows[j], u), p_rows[j]).items():
+                        out[(j, y, drafts)] = out.get((j, y, drafts), 0.0) + reach * w
+                    break
+                x = drafts[j]
+                ratio = p_rows[j][x] / q_rows[j][x]
+                acc = sum(l for mid, l in _intervals([ratio])
+                          if count_accepted([x], [q_rows[j][x]], [p_rows[j][x]], [mid]) == 1)
+                resid = np.maximum(0, p_rows[j] - q_rows[j])
+                if reach * (1 - acc) > 0:
+                    corr = _code_token_dist(lambda u: sample_correction(p_rows[j], q_rows[j], u), resid)
+                    for y, w in corr.items():
+                        out[(j, y, drafts)] = out.get((j, y, drafts), 0.0) + reach * (1 - acc) * w
+                reach *= acc
+            return
+        q = q_model(prefix + drafts)
+        for x, w in _code_token_dist(lambda u: sample_from(q, u), q).items():
+            rec(drafts + (x,), prob * w)
+
+    rec((), 1.0)
+    return out
+
+
+@pytest.mark.parametrize("vocab,draft_len,params,peaky", [
+    (4, 2, SamplingParams(1.0), 1.5),
+    (5, 2, SamplingParams(0.8, top_k=3), 2.0),
+    (4, 3, SamplingParams(1.3, top_p=0.8), 1.0),
+    (8, 1, SamplingParams(1.0), 3.0),
+    (5, 2, SamplingParams(0.0), 1.0),  # greedy
+])
+def test_exact_enumeration_output_equals_target(vocab, draft_len, params, peaky):
+    """P(first n output tokens = s) equals the target's prod p(s_i | s_<i) to 1e-12, for n = draft_len + 1,
+    over as many rounds as it takes (each round is enumerated exactly)."""
+    p_model = _toy_model(vocab, 11, params, peaky)
+    q_model = _toy_model(vocab, 22, params, peaky)
+    n = draft_len + 1
+
+    @functools.lru_cache(maxsize=None)
+    def generated(prefix: tuple, remaining: int) -> dict:
+        if remaining == 0:
+            return {(): 1.0}
+        out: dict[tuple, float] = {}
+        for (j, y, drafts), w in _round_outcomes(prefix, draft_len, p_model, q_model).items():
+            if w == 0:
+                continue
+            emitted = (drafts[:j] + (y,))[:remaining]
+            for tail, w2 in generated(prefix + emitted, remaining - len(emitted)).items():
+                out[emitted + tail] = out.get(emitted + tail, 0.0) + w * w2
+        return out
+
+    got = generated((), n)
+    target: dict[tuple, float] = {}
+
+    def rec(seq, prob):
+        if len(seq) == n:
+            target[seq] = prob
+            return
+        p = p_model(seq)
+        for x in range(vocab):
+            if p[x] > 0:
+                rec(seq + (x,), prob * p[x])
+
+    rec((), 1.0)
+    assert abs(sum(got.values()) - 1) < 1e-12
+    for seq in set(got) | set(target):
+        assert abs(got.get(seq, 0.0) - target.get(seq, 0.0)) < 1e-12, seq
+    if params.greedy:
+        assert len(target) == 1 and got == pytest.approx(target)
+
+
+# --- chi-square tests -------------------------------------------------------------------------------------
+# Each test is one chi-square goodness-of-fit test at false-alarm rate 1e-3 (6 cases: family-wise < 0.6%).
+# Seeds are fixed, so the outcome is reproducible.
+
+def _cases():
+    v = 8
+    r = np.random.default_rng(3)
+    p = r.dirichlet(np.ones(v))
+    q = r.dirichlet(np.ones(v))
+    disjoint_p = np.array([0.4, 0.3, 0.3, 0, 0, 0, 0, 0])
+    disjoint_q = np.array([0, 0, 0, 0.1, 0.2, 0.3, 0.2, 0.2])
+    one_hot_q = np.eye(v)[5]
+    q_zero = np.array([0.5, 0.5, 0, 0, 0, 0, 0, 0])  # q = 0 where p > 0
+    near_zero_p = np.array([0.6, 0.3999, 1e-4, 0, 0, 0, 0, 0])
+    near_zero_q = np.array([1e-6, 0.2, 0.799999, 0, 0, 0, 0, 0])
+    return {
+        "random": (p, q), "p_equals_q": (p, p.copy()), "disjoint": (disjoint_p, disjoint_q),
+        "one_hot_q": (p, one_hot_q), "q_zero_where_p_positive": (p, q_zero),
+        "near_zero": (near_zero_p, near_zero_q),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_chi_square_first_token_is_target_distributed(case):
+    p, q = _cases()[case]
+    rounds = 8000
+    counts = np.zeros(len(p), int)
+    accepted = 0
+    for r in range(rounds):
+        rr = RoundRandomness(2024, f"chi-{case}", r)
+        x = sample_from(q, float(rr.draft_generator().random()))
+        n_acc, nxt = speculative_round([x], q[None], np.stack([p, p]), rr)
+        counts[x if n_acc == 1 else nxt] += 1
+        accepted += n_acc
+    assert counts[p == 0].sum() == 0  # never a token the target cannot produce
+    support = p > 0
+    expected = p[support] * rounds
+    # pool cells with expected count < 5 into one (near-zero probabilities)
+    small = expected < 5
+    obs = np.append(counts[support][~small], counts[support][small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    if len(exp) > 1:
+        pval = stats.chisquare(obs, exp).pvalue
+        assert pval > 1e-3, (case, counts, p)
+    # the acceptance count agrees with beta = sum min(p, q) (binomial, two-sided, false alarm 1e-3)
+    beta = float(np.minimum(p, q).sum())
+    if 0 < beta < 1:
+        assert stats.binomtest(accepted, rounds, beta).pvalue > 1e-3
+    else:
+        assert accepted == round(beta * rounds)
+
+
+# --- UL mode and DL mode give the same tokens -------------------------------------------------------------
+
+
+def test_ul_and_dl_modes_produce_identical_tokens_over_1000_rounds():
+    rng = np.random.default_rng(99)
+    v = 32
+    rejections = 0
+    for r in range(1000):
+        L = int(rng.integers(1, 7))
+        params = SamplingParams(float(rng.choice([0.0, 0.7, 1.0, 1.5])), int(rng.choice([0, 8])),
+                                float(rng.choice([1.0, 0.9])))
+        q_logits = rng.normal(size=(L, v)).astype(np.float32)
+        p_logits = (q_logits[:, :] * 0.8 + rng.normal(size=(L, v)) * 0.6).astype(np.float32)
+        p_rows = to_probs(np.vstack([p_logits, rng.normal(size=(1, v)).astype(np.float32)]), params)
+        # device: drafts from its q with the round's drafting stream
+        dev_rr = RoundRandomness(7, f"dev-{r % 5}", r)
+        g = dev_rr.draft_generator()
+        q_rows = to_probs(q_logits, params)
+        drafts = [sample_from(q_rows[i], float(g.random())) for i in range(L)]
+
+        # UL mode: everything at the edge
+        ul = speculative_round(drafts, q_rows, p_rows, RoundRandomness(7, f"dev-{r % 5}", r))
+
+        # DL mode: edge gets only scalars q_i(x_i); on rejection sends p_j; device corrects with its q_j
+        edge_rr = RoundRandomness(7, f"dev-{r % 5}", r)
+        idx = np.arange(L)
+        q_scalars = q_rows[idx, drafts]  # what the device uploads
+        j = count_accepted(drafts, q_scalars, p_rows[idx, drafts], edge_rr.acceptance_uniforms(L))
+        if j < L:
+            rejections += 1
+            p_j = p_rows[j].copy()  # downlink payload
+            dl = (j, sample_correction(p_j, q_rows[j], RoundRandomness(7, f"dev-{r % 5}", r).final_uniform()))
+        else:
+            dl = (j, sample_from(p_rows[L], edge_rr.final_uniform()))
+        assert ul == dl, r
+    assert 100 < rejections < 1000  # both branches exercised

@@ -1,0 +1,105 @@
+"""Batched verification against one pass per device, measured side by side in one run.
+
+N devices (default 4) with different context and draft lengths; the batched path verifies all drafts in
+one forward; the per-device path calls verify once per device. Each measurement commits 0 drafts, which
+leaves every cache as it was, so the repeats see identical states.
+
+  python tools/bench_verifier.py [--pair DIR | --micro | --target HF_DIR] [--devices 4] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.bench_drafter import pick_pair  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", help="pair directory (default: the cached default pair, else the micro pair)")
+    ap.add_argument("--micro", action="store_true")
+    ap.add_argument("--target", help="a target HF directory or GGUF file instead of a pair")
+    ap.add_argument("--random", metavar="H,LAYERS,HEADS,FF,VOCAB",
+                    help="a random-weight Llama target of this shape instead (e.g. 896,24,14,4864,151936)")
+    ap.add_argument("--devices", type=int, default=4)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (more oversubscribes a busy host)")
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+
+    from edge_node.verifier import BatchedVerifier, load_target
+
+    torch.set_num_threads(args.threads)
+    if args.random:
+        from edge_node.checkpoints import _torch_dtype
+        from edge_node.training import ModelShape, make_model
+
+        h, layers, heads, ff, vocab = (int(x) for x in args.random.split(","))
+        path = f"random Llama {args.random}"
+        model = make_model(ModelShape(h, layers, heads, ff), vocab, 4096, seed=0)
+        model = model.to(device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                          dtype=_torch_dtype(args.dtype, "")).eval()
+    else:
+        path = args.target or pick_pair(args).target_dir
+        model = load_target(path, device=args.device, dtype=args.dtype)
+    v = BatchedVerifier(model, args.device)
+    rng = np.random.default_rng(0)
+    vocab = v.vocab_size
+    items = []
+    for k in range(args.devices):
+        ctx_len = [40, 120, 200, 80, 160, 60, 240, 100][k % 8]
+        L = [2, 4, 6, 3, 5, 8, 1, 7][k % 8]
+        name = f"dev{k}"
+        v.open(name, list(map(int, rng.integers(1, vocab, ctx_len))))
+        items.append((name, [], list(map(int, rng.integers(1, vocab, L)))))
+    sync = torch.cuda.synchronize if v.device.type == "cuda" else (lambda: None)
+
+    def batched() -> float:
+        sync()
+        t = time.perf_counter()
+        v.verify(items)
+        sync()
+        dt = time.perf_counter() - t
+        for name, _, _ in items:
+            v.commit(name, 0)
+        return dt
+
+    def per_device() -> float:
+        sync()
+        t = time.perf_counter()
+        for it in items:
+            v.verify([it])
+        sync()
+        dt = time.perf_counter() - t
+        for name, _, _ in items:
+            v.commit(name, 0)
+        return dt
+
+    batched(), per_device()  # the first calls prefill the contexts and warm up
+    batched(), per_device()
+    b, s = [], []
+    for _ in range(args.repeats):
+        b.append(batched())
+        s.append(per_device())
+    mb, ms = statistics.median(b), statistics.median(s)
+    print(f"target: {path} on {v.device} ({next(model.parameters()).dtype})")
+    print(f"{args.devices} devices, contexts {[v.context_length(n) for n, _, _ in items]}, "
+          f"draft lengths {[len(d) for _, _, d in items]}, median of {args.repeats}:")
+    print(f"  one batched forward   {mb * 1e3:8.2f} ms")
+    print(f"  one forward per device {ms * 1e3:7.2f} ms")
+    print(f"  ratio per-device/batched = {ms / mb:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The per-round controller (runs in the edge process): online estimates -> plan -> predictions.
+
+Pure logic (no sockets, no clocks): the edge server feeds it observations and asks it for a plan.
+- alpha_k: Beta posterior mean; prior mean = the profile's acceptance, `alpha_prior_trials` pseudo-trials.
+  A round with n accepted out of L is n successes and (1 if n < L) failure: per-token Bernoulli trials
+  up to and including the first rejection.
+- t_k: median of the last `draft_time_window` device-reported drafting times per token (they include the
+  emulated slowdown; a median because a shared CPU adds rare long stalls), seeded from the profile's
+  draft_time_s times the device's compute_scale.
+- g_k: from the channel state (`channel_emulator.state.ChannelState`) per round, or the scenario's static
+  gains.
+- T_ver = t0 + t1 * sum(L+1): least-squares refit from the measured verification times once there are
+  enough rounds with different batch sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from testbed.scenario import Scenario
+
+
+@dataclass
+class DeviceEstimate:
+    alpha_prior: float
+    prior_trials: float
+    draft_time_s: float
+    successes: float = 0.0
+    trials: float = 0.0
+    rounds_timed: int = 0
+    recent: list = field(default_factory=list)
+
+    @property
+    def alpha(self) -> float:
+        a = self.alpha_prior * self.prior_trials + self.successes
+        n = self.prior_trials + self.trials
+        return self.alpha_prior if n <= 0 else a / n
+
+
+@dataclass
+class RoundPlan:
+    round: int
+    devices: list[str]
+    plan: dict                       # Plan.to_dict() of the optimizer
+    scenario: Scenario               # what the plan was computed on (estimates in place)
+    estimates: dict[str, dict]       # name -> {alpha, draft_time_s, gain_db}
+    per_device: dict[str, dict] = field(default_factory=dict)  # name -> the plan's device entry
+
+
+class Controller:
+    def __init__(self, scenario: Scenario, *, policy: str = "proposed", fixed_length: int = 4, seed: int = 0,
+                 channel_state=None, compute_scale: dict[str, float] | None = None,
+                 alpha_prior_trials: float = 8.0, draft_time_window: int = 10, fit_verify_after: int = 5,
+                 pin_mode: str | None = None, pin_draft_len: int | None = None, fit_round_overhead: bool = True):
+        self.base = scenario
+        self.pin_mode, self.pin_draft_len = pin_mode, pin_draft_len
+        self.policy, self.fixed_length, self.seed = policy, fixed_length, seed
+        self.channel_state = channel_state
+        self.window = max(1, int(draft_time_window))
+        self.fit_verify_after = fit_verify_after
+        scale = compute_scale or {}
+        self.est: dict[str, DeviceEstimate] = {
+            d.name: DeviceEstimate(d.acceptance, alpha_prior_trials, d.draft_time_s * scale.get(d.name, 1.0))
+            for d in scenario.devices
+        }
+        self.static_gains = dict(zip([d.name for d in scenario.devices], scenario.gains_db().tolist()))
+        self.t0, self.t1 = scenario.verify_t0_s, scenario.verify_t1_s
+        self._verify_obs: list[tuple[float, float]] = []
+        # T_0 (spec section 4): the round's fixed overhead (messages, scheduling) the model does not see.
+        self.fit_round_overhead = fit_round_overhead
+        self.round_overhead_s = scenario.round_overhead_s
+        self._overhead_obs: list[float] = []
+
+    # -- estimates -------------------------------------------------------------------------------
+    def gains_db(self, round_index: int, t_s: float) -> dict[str, float]:
+        if self.channel_state is None:
+            return dict(self.static_gains)
+        return self.channel_state.gains_db(round_index, t_s)
+
+    def observe_acceptance(self, name: str, n_accepted: int, draft_len: int) -> None:
+        e = self.est[name]
+        e.successes += n_accepted
+        e.trials += n_accepted + (1 if n_accepted < draft_len else 0)
+
+    def observe_draft_time(self, name: str, draft_s: float, draft_len: int) -> None:
+        if not (draft_s > 0 and draft_len > 0):
+            return
+        e = self.est[name]
+        e.rounds_timed += 1
+        if e.rounds_timed == 1:
+            return  # the first draft also prefills the prompt and warms the runtime up: not a per-token time
+        e.recent = (e.recent + [draft_s / draft_len])[-self.window:]
+        e.draft_time_s = float(np.median(e.recent))
+
+    def observe_verify(self, positions: int, verify_s: float) -> None:
+        self._verify_obs.append((float(positions), float(verify_s)))
+        obs = self._verify_obs[-200:]
+        if not self.fit_verify_after or len(obs) < self.fit_verify_after:
+            return
+        # Median per batch size first: a shared CPU adds rare long stalls that a plain fit would follow.
+        sizes = sorted({o[0] for o in obs})
+        x = np.array(sizes)
+        y = np.array([np.median([o[1] for o in obs if o[0] == sz]) for sz in sizes])
+        if x.size < 2:
+            # One batch size so far: keep the slope, move the intercept to the mean.
+            self.t0 = max(0.0, float(np.mean(y - self.t1 * x)))
+            return
+        t1, t0 = np.polyfit(x, y, 1)
+        if t1 >= 0 and t0 >= 0:
+            self.t0, self.t1 = float(t0), float(t1)
+        else:  # a negative fit would make the model nonsense; fall back to a line through the origin
+            self.t0, self.t1 = 0.0, float(max(0.0, np.sum(x * y) / np.sum(x * x)))
+
+    def observe_round(self, measured_round_s: float, predicted_round_s: float, overhead_used_s: float) -> None:
+        """Residual of the round time beyond the modeled phases; T_0 = median of the recent residuals."""
+        if not self.fit_round_overhead:
+            return
+        self._overhead_obs.append(measured_round_s - (predicted_round_s - overhead_used_s))
+        recent = self._overhead_obs[-20:]
+        if len(recent) >= 3:
+            self.round_overhead_s = max(0.0, float(np.median(recent)))
+
+    # -- planning --------------------------------------------------------------------------------
+    def scenario_for(self, names: list[str], gains: dict[str, float]) -> Scenario:
+        """The base scenario restricted to `names`, with the current estimates in place."""
+        keep = set(names)
+        data = self.base.model_dump(exclude_none=True)
+        data["devices"] = [d for d in data["devices"] if d["name"] in keep]
+        data["verify_t0_s"], data["verify_t1_s"] = self.t0, self.t1
+        data["round_overhead_s"] = self.round_overhead_s
+        sub = Scenario.from_dict(data)
+        return sub.with_device_updates(
+            acceptance={n: self.est[n].alpha for n in names},
+            draft_time_s={n: self.est[n].draft_time_s for n in names},
+            channel_gain_db={n: gains[n] for n in names},
+        )
+
+    def plan_round(self, round_index: int, names: list[str], t_s: float = 0.0) -> RoundPlan:
+        from testbed.optimizer import plan
+
+        gains = self.gains_db(round_index, t_s)
+        scen = self.scenario_for(names, gains)
+        if self.pin_mode and self.pin_draft_len:
+            # Fully pinned schedule: nothing to optimise, only the model's prediction of it.
+            stub = {"policy": "pinned", "devices": [{"name": d.name, "mode": self.pin_mode,
+                                                      "draft_len": self.pin_draft_len} for d in scen.devices]}
+            result = self._pinned(scen, stub)
+        else:
+            result = plan(scen, self.policy, fixed_length=self.fixed_length, seed=self.seed + round_index).to_dict()
+            if self.pin_mode or self.pin_draft_len:
+                result = self._pinned(scen, result)
+        per = {d["name"]: d for d in result["devices"]}
+        est = {n: {"alpha": self.est[n].alpha, "draft_time_s": self.est[n].draft_time_s, "gain_db": gains[n]}
+               for n in names}
+        return RoundPlan(round_index, list(names), result, scen, est, per)
+
+
+    def _pinned(self, scen: Scenario, planned: dict) -> dict:
+        """The profile pins every device's mode and/or draft length (e.g. to compare UL and DL mode on the
+        same schedule); the prediction is the model's evaluation of that schedule."""
+        from testbed.model import evaluate
+
+        modes = [self.pin_mode or d["mode"] for d in planned["devices"]]
+        lens = [min(self.pin_draft_len or d["draft_len"], scen.max_draft_len) for d in planned["devices"]]
+        ev = evaluate(scen, modes, lens)
+        devices = []
+        for i, name in enumerate(ev.names):
+            devices.append({"name": name, "mode": ev.modes[i], "draft_len": int(ev.draft_lens[i]),
+                            **{k: float(getattr(ev, k)[i]) for k in (
+                                "ul_power_w", "dl_power_w", "expected_tokens", "uplink_s", "downlink_s", "draft_s",
+                                "tx_s", "ul_rate_bps", "dl_rate_bps", "ul_bits", "dl_bits")},
+                            "goodput_tps": float(ev.goodput[i])})
+        policy = planned["policy"] if planned["policy"] == "pinned" else f"{planned['policy']}+pinned"
+        return {"policy": policy, "goodput_tps": float(ev.goodput_tps),
+                "round_time_s": float(ev.round_time_s), "phases_s": {k: float(v) for k, v in ev.phases.items()},
+                "num_ul_devices": ev.num_ul_devices, "devices": devices}
+
+
+def channel_links(rp: RoundPlan, fallback_dl_bps: float = 1e9) -> dict[str, dict]:
+    """Per-device rates for the channel emulator. A UL-mode device's reply is a few bytes the model charges
+    as a constant; it gets a fast link (not a zero one) so the emulator still accounts it."""
+    links = {}
+    for name, d in rp.per_device.items():
+        ul = d.get("ul_rate_bps") or None
+        dl = d.get("dl_rate_bps") or None
+        if d["mode"] == "UL" or not dl:
+            dl = fallback_dl_bps
+        links[name] = {"ul_rate_bps": ul, "dl_rate_bps": dl}
+    return links
+
+
+def _rel_err(measured, predicted):
+    if measured is None or predicted is None or not predicted:
+        return None
+    return (measured - predicted) / predicted
+
+
+def round_record(rp: RoundPlan, *, policy: str, outcome: dict, verify_s: float | None, round_s: float,
+                 t_start_s: float, extra: dict | None = None) -> dict:
+    """Assemble one round record: per device and per phase, predicted next to measured.
+
+    `outcome[name]` holds what the edge saw for a device: n_accepted, tokens, bytes, timings, channel
+    annotations, edge-clock phase times; devices absent from `outcome` missed the deadline.
+    """
+    plan = rp.plan
+    devices = {}
+    up_meas, dl_meas, tokens = [], [], 0
+    for name in rp.devices:
+        d = rp.per_device[name]
+        o = outcome.get(name)
+        pred = {
+            "draft_s": d.get("draft_s"),
+            "uplink_s": d.get("tx_s", None if d.get("uplink_s") is None else d["uplink_s"] - (d.get("draft_s") or 0.0)),
+            "up_phase_s": d.get("uplink_s"),
+            "downlink_s": d.get("downlink_s"),
+            "tokens": d.get("expected_tokens"),
+            "goodput_tps": d.get("goodput_tps"),
+            "ul_bits": d.get("ul_bits"), "dl_bits": d.get("dl_bits"),
+            "ul_rate_bps": d.get("ul_rate_bps"), "dl_rate_bps": d.get("dl_rate_bps"),
+        }
+        entry = {"mode": d["mode"], "draft_len": d["draft_len"], "ul_power_w": d.get("ul_power_w"),
+                 "dl_power_w": d.get("dl_power_w"), "estimate": rp.estimates.get(name), "predicted": pred}
+        if o is None:
+            entry.update({"missed": True, "measured": None})
+        else:
+            meas = {
+                "draft_s": o.get("draft_s"), "compute_s": o.get("compute_s"),
+                "emulated_extra_s": o.get("emulated_extra_s"), "compute_scale": o.get("compute_scale"),
+                "uplink_s": _air_time(o.get("ul_channel")),
+                "up_phase_s": o.get("up_phase_s"),
+                "downlink_s": _air_time(o.get("dl_channel")),
+                "tokens": o.get("tokens"),
+                "goodput_tps": (o.get("tokens") or 0) / round_s if round_s > 0 else None,
+                "ul_bytes": (o.get("ul_channel") or {}).get("bytes", o.get("ul_bytes")),
+                "dl_bytes": (o.get("dl_channel") or {}).get("bytes", o.get("dl_bytes")),
+            }
+            entry.update({"missed": False, "n_accepted": o.get("n_accepted"), "dl_payload": o.get("dl_payload"),
+                          "measured": meas, "ul_channel": o.get("ul_channel"), "dl_channel": o.get("dl_channel"),
+                          "report_late": o.get("report_late", False)})
+            if meas["up_phase_s"] is not None:
+                up_meas.append(meas["up_phase_s"])
+            if d["mode"] == "DL" and o.get("dl_payload") == "p" and meas["downlink_s"] is not None:
+                dl_meas.append(meas["downlink_s"])
+            tokens += o.get("tokens") or 0
+        devices[name] = entry
+    phases = plan.get("phases_s", {})
+    predicted = {"uplink_phase_s": phases.get("uplink"), "verify_s": phases.get("verify"),
+                 "downlink_phase_s": phases.get("downlink"), "round_s": plan.get("round_time_s"),
+                 "tokens": float(sum((d.get("expected_tokens") or 0.0) for d in plan["devices"])),
+                 "goodput_tps": plan.get("goodput_tps")}
+    measured = {"uplink_phase_s": max(up_meas) if up_meas else None, "verify_s": verify_s,
+                "downlink_phase_s": max(dl_meas) if dl_meas else 0.0, "round_s": round_s, "tokens": tokens,
+                "goodput_tps": tokens / round_s if round_s > 0 else None}
+    rec = {"round": rp.round, "t_start_s": t_start_s, "policy": policy,
+           "num_ul": sum(1 for n in rp.devices if rp.per_device[n]["mode"] == "UL"),
+           "devices": devices, "predicted": predicted, "measured": measured,
+           "verify_model": {"t0_s": rp.scenario.verify_t0_s, "t1_s": rp.scenario.verify_t1_s},
+           "round_overhead_s": rp.scenario.round_overhead_s,
+           "missed": [n for n in rp.devices if n not in outcome]}
+    if extra:
+        rec.update(extra)
+    return rec
+
+
+def _air_time(ch: dict | None) -> float | None:
+    """The realized air time of one message from the emulator's annotation.
+
+    Real mode: held_s (from the start of the air time, i.e. the tx_start marker or the arrival, to the
+    forwarding: air time + queueing + base latency + lateness). Virtual mode: what it would have taken.
+    """
+    if not ch:
+        return None
+    if ch.get("mode") == "virtual":
+        return (ch.get("airtime_s") or 0.0) + (ch.get("queued_s") or 0.0) + (ch.get("base_latency_s") or 0.0)
+    return ch.get("held_s")

@@ -1,0 +1,79 @@
+"""The device node against a test-driven edge socket: registration, drafting in both modes, a dropped
+round, DL-mode correction, refusal of a bad verdict, and the end of the run (real ONNX drafter, real
+ZeroMQ sockets on ipc://)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import zmq
+
+from testbed import messages as M
+from testbed import protocol as P
+
+
+def test_device_node_protocol(micro_pair, tmp_path):
+    from device_node.drafter import OnnxDrafter
+    from device_node.hardware import load_hardware
+    from device_node.node import DeviceNode
+
+    ep = f"ipc://{tmp_path}/edge"
+    ctx = zmq.Context.instance()
+    edge = ctx.socket(zmq.ROUTER)
+    edge.setsockopt(zmq.LINGER, 0)
+    edge.bind(ep)
+    drafter = OnnxDrafter(micro_pair.draft_onnx)
+    node = DeviceNode(ep, "dev-x", drafter, load_hardware("edge-class"), register_timeout_s=20, idle_timeout_s=20)
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("rc", node.run()), daemon=True)
+    th.start()
+
+    def recv():
+        assert edge.poll(20_000), "device did not answer"
+        ident, *frames = edge.recv_multipart()
+        assert ident == b"dev-x"
+        return P.decode(frames)
+
+    def send(frames):
+        edge.send_multipart([b"dev-x", *frames])
+
+    try:
+        h, _ = recv()
+        assert h["type"] == "register" and h["vocab_size"] == drafter.vocab_size
+        prompt = [5, 6, 7, 8]
+        send(M.registered("s#0", prompt, seed=3, sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                          bits_per_prob=16, on_air_vocab_size=1000, max_draft_len=6, tx_marker=False))
+        V = drafter.vocab_size
+        # Round 0, UL mode: q rows padded to the on-air size; then the edge drops the round.
+        send(M.schedule(0, "UL", 3, 0.2, 0.0, 5.0))
+        h, a = recv()
+        d = M.parse_draft(h, a, mode="UL", draft_len=3, vocab_size=V, bits_per_prob=16, on_air_vocab=1000)
+        assert a["q"].shape == (3, 1000) and d.last_token == 8 and h["timings"]["draft_s"] > 0
+        first_tokens = d.tokens.tolist()
+        send(M.dropped(0, "late"))
+        # Round 0 again (same seed, same round): after the reset the device drafts the same tokens.
+        send(M.schedule(0, "DL", 3, 0.2, 0.1, 5.0))
+        h, a = recv()
+        d = M.parse_draft(h, a, mode="DL", draft_len=3, vocab_size=V, bits_per_prob=16, on_air_vocab=1000)
+        assert d.tokens.tolist() == first_tokens and "q" not in a
+        # A verdict for another round is refused; the device keeps serving.
+        send(M.verdict(9, 0, 1))
+        # DL-mode rejection at position 0 with p one-hot on a token the draft gave q < 1: the correction
+        # from norm(max(0, p - q)) must be that token.
+        target = (first_tokens[0] + 1) % V
+        p = np.zeros(V, np.float32)
+        p[target] = 1.0
+        send(M.verdict(0, 0, None, p_row=p, bits_per_prob=16, on_air_vocab=1000))
+        h, _ = recv()
+        assert h["type"] == "report" and h["round"] == 0 and h["n_accepted"] == 0 and h["token"] == target
+        # Next round: the upload carries the correction as the last committed token.
+        send(M.schedule(1, "UL", 2, 0.2, 0.0, 5.0))
+        h, a = recv()
+        assert h["last_token"] == target and h["round"] == 1
+        send(M.done("test over"))
+        th.join(20)
+        assert result.get("rc") == 0
+    finally:
+        node.close()
+        edge.close(linger=0)

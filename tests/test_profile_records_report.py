@@ -1,0 +1,132 @@
+"""Run profiles, round records and the report: loading, errors naming fields, durability, summaries."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from testbed import report
+from testbed.controller import Controller, round_record
+from testbed.profile import ProfileError, load_profile
+from testbed.records import RunRecorder, load_run
+from testbed.scenario import load_scenario
+
+SCEN = {"bits_per_prob": 16, "max_draft_len": 6,
+        "devices": [{"name": "a", "distance_m": 100, "draft_time_s": 0.01, "acceptance": 0.7},
+                    {"name": "b", "distance_m": 300, "draft_time_s": 0.02, "acceptance": 0.6}]}
+
+
+def test_shipped_profiles_load():
+    p = load_profile()  # profiles/emulation.yaml
+    assert p.deployment == "emulation" and len(p.device_names()) == 4
+    assert p.scenario_obj(4096).vocab_size == p.on_air_vocab_size == 151936
+    assert p.prompt_list()
+    lan = load_profile("lan")
+    assert lan.deployment == "lan" and lan.endpoints.edge_bind.startswith("tcp://")
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({"scenario": SCEN, "policy": "best"}, "policy: 'best' is not allowed"),
+    ({"scenario": SCEN, "deadline_s": -1}, "deadline_s: -1"),
+    ({"scenario": SCEN, "channel": {"mode": "fast"}}, "channel.mode: 'fast'"),
+    ({"scenario": SCEN, "hardware": {"zz": "phone"}}, "hardware: device(s) ['zz']"),
+    ({"scenario": SCEN, "model": {"pair": "local"}}, "model.target"),
+    ({"scenario": SCEN, "typo_field": 1}, "typo_field"),
+    ({"scenario": {**SCEN, "bits_per_prob": 0}}, "bits_per_prob"),
+    ({"scenario": SCEN, "prompts": []}, "prompts"),
+])
+def test_profile_errors_name_the_field(data, fragment):
+    with pytest.raises(ProfileError) as exc:
+        load_profile(data)
+    assert fragment in str(exc.value)
+
+
+def test_overrides_use_dotted_keys():
+    p = load_profile({"scenario": SCEN}, {"channel.mode": "virtual", "rounds": 3})
+    assert p.channel.mode == "virtual" and p.rounds == 3
+
+
+def test_records_are_durable_and_a_torn_line_is_skipped(tmp_path):
+    rec = RunRecorder(tmp_path)
+    rec.write_meta({"name": "x"}, channel_mode="real")
+    rec.append_round({"round": 0, "x": float("nan"), "arr": np.arange(3)})
+    rec.append_round({"round": 1})
+    # Without closing: what is on disk already holds both rounds (flushed and fsynced).
+    lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
+    assert [json.loads(l)["round"] for l in lines] == [0, 1]
+    assert json.loads(lines[0])["x"] is None and json.loads(lines[0])["arr"] == [0, 1, 2]
+    with open(tmp_path / "rounds.jsonl", "a") as fh:
+        fh.write('{"round": 2, "trunc')
+    meta, rounds = load_run(tmp_path)
+    assert meta["channel_mode"] == "real" and meta["profile"] == {"name": "x"} and "packages" in meta
+    assert [r["round"] for r in rounds] == [0, 1]
+    rec.close()
+
+
+def test_controller_estimates():
+    scen = load_scenario({**SCEN, "vocab_size": 1000})
+    c = Controller(scen, alpha_prior_trials=10, compute_scale={"b": 2.0}, fit_verify_after=3)
+    assert c.est["a"].alpha == pytest.approx(0.7) and c.est["b"].draft_time_s == pytest.approx(0.04)
+    c.observe_acceptance("a", 4, 4)      # 4 successes, no failure
+    c.observe_acceptance("a", 0, 4)      # 1 failure
+    assert c.est["a"].alpha == pytest.approx((7 + 4) / (10 + 5))
+    c.observe_draft_time("a", 1.0, 4)    # first draft (prefill, warm-up): ignored
+    c.observe_draft_time("a", 0.08, 4)
+    assert c.est["a"].draft_time_s == pytest.approx(0.02)
+    for pos, t in ((4, 0.014), (8, 0.018), (12, 0.022), (12, 0.022), (12, 0.5)):  # one stall: the median ignores it
+        c.observe_verify(pos, t)
+    assert c.t0 == pytest.approx(0.01) and c.t1 == pytest.approx(0.001)
+    rp = c.plan_round(0, ["a", "b"])
+    assert {d["name"] for d in rp.plan["devices"]} == {"a", "b"}
+    assert rp.scenario.verify_t0_s == pytest.approx(0.01)
+    pinned = Controller(scen, pin_mode="DL", pin_draft_len=3).plan_round(0, ["a"])
+    assert pinned.per_device["a"]["mode"] == "DL" and pinned.per_device["a"]["draft_len"] == 3
+
+
+def _fake_records(n=6):
+    scen = load_scenario({**SCEN, "vocab_size": 1000})
+    c = Controller(scen)
+    recs = []
+    for r in range(n):
+        rp = c.plan_round(r, ["a", "b"])
+        outcome = {}
+        for name in ("a", "b"):
+            d = rp.per_device[name]
+            outcome[name] = {"n_accepted": 1, "tokens": 2, "draft_s": d["draft_s"] * 1.1,
+                             "up_phase_s": d["uplink_s"] * 1.1, "dl_payload": "p",
+                             "ul_channel": {"mode": "real", "held_s": d["tx_s"] * 1.02, "bytes": 10},
+                             "dl_channel": {"mode": "real", "held_s": d["downlink_s"] * 0.98, "bytes": 10}}
+        recs.append(round_record(rp, policy="proposed", outcome=outcome, verify_s=rp.plan["phases_s"]["verify"] * 2,
+                                 round_s=rp.plan["round_time_s"] * 1.5, t_start_s=float(r)))
+    return recs
+
+
+def test_summary_errors_per_phase_and_plots(tmp_path):
+    recs = _fake_records()
+    s = report.summarize(recs)
+    assert s["rounds"] == 6 and s["tokens"] == 24
+    e = s["phase_errors"]
+    assert e["draft"]["median_error"] == pytest.approx(0.1)
+    assert e["verify"]["median_error"] == pytest.approx(1.0)
+    assert e["round"]["median_abs_error"] == pytest.approx(0.5)
+    text = report.format_summary(s)
+    assert "goodput: measured" in text and "verify" in text
+    paths = report.write_plots(recs, tmp_path)
+    assert [p.name for p in paths] == ["goodput.png", "phases.png", "timeline.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_report_command(tmp_path, capsys):
+    from testbed.cli import main
+
+    rec = RunRecorder(tmp_path)
+    rec.write_meta({"name": "x"})
+    for r in _fake_records(4):
+        rec.append_round(r)
+    rec.close()
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "goodput: measured" in out and (tmp_path / "plots" / "timeline.png").exists()
+    assert main(["report", str(tmp_path / "nope")]) == 2

@@ -1,0 +1,140 @@
+"""Testbed overhead: a live run (pass-through channel, one device process, ZeroMQ, records) against an
+in-process speculative decoding loop on the same pair, settings, seeds and schedule, side by side.
+
+    python tools/bench_overhead.py [--pair default|micro|DIR] [--rounds 40] [--draft-len 4] [--mode UL]
+
+Prints tokens/s of both, their ratio (target >= 0.8) and the per-round overhead in ms, and checks that
+both produced the same tokens (same seeds, same accept/reject code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def pair_paths(which: str):
+    from edge_node.model_pair import MICRO_CONFIG, PairPaths, build_pair, ensure_default_pair
+
+    if which == "default":
+        return ensure_default_pair(progress=True)
+    if which == "micro":
+        root = Path(tempfile.gettempdir()) / "multispin-bench-micro"
+        paths = PairPaths.under(root)
+        return paths if paths.manifest.is_file() else build_pair(MICRO_CONFIG, root, progress=False)
+    return PairPaths.under(Path(which))
+
+
+def in_process(paths, prompt_ids, rounds, L, seed, params, bits, name="d0", threads=None, device=None):
+    """The same round as the testbed's edge + device, in one process with no messages."""
+    from device_node.drafter import OnnxDrafter
+    from edge_node.verifier import BatchedVerifier, load_target
+    from testbed import protocol as P
+    from testbed.sampling import RoundRandomness, count_accepted, sample_correction, sample_from, to_probs
+
+    drafter = OnnxDrafter(paths.draft_onnx, threads=1)
+    verifier = BatchedVerifier(load_target(paths.target_dir, device=device), device=device, threads=threads)
+    drafter.reset(prompt_ids)
+    verifier.open("s", prompt_ids)
+    pending, out, times, counts = [], [], [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        rr = RoundRandomness(seed, name, r)
+        toks, q = drafter.draft(L, params, rr.draft_generator())
+        logits = verifier.verify([("s", pending, toks)])[0]
+        p = P.quantize(to_probs(logits, params), bits)
+        qq = P.quantize(q, bits)
+        idx = np.arange(L)
+        n = count_accepted(toks, qq[idx, toks], p[idx, toks], rr.acceptance_uniforms(L))
+        token = sample_correction(p[n], qq[n], rr.final_uniform()) if n < L else sample_from(p[L], rr.final_uniform())
+        verifier.commit("s", n)
+        drafter.commit(n, token)
+        pending = [token]
+        out.extend(toks[:n] + [token])
+        times.append(time.perf_counter() - t0)
+        counts.append(n + 1)
+    return out, times, counts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="default", help="default | micro | a pair directory")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--mode", choices=["UL", "DL"], default="UL")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the target (both sides)")
+    ap.add_argument("--device", default=None, help="torch device of the target (default: cuda if any, else cpu)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating repetitions (the median is reported)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from testbed.launcher import load_tokenizer, run_live
+    from testbed.profile import load_profile
+    from testbed.records import load_run
+    from testbed.sampling import SamplingParams
+
+    paths = pair_paths(args.pair)
+    prompt = "The :mod:`json` module provides"
+    profile = load_profile({
+        "name": "bench-overhead", "rounds": args.rounds, "seed": args.seed, "prompts": [prompt],
+        "model": {"pair": "local", "target": str(paths.target_dir), "draft_onnx": str(paths.draft_onnx),
+                  "tokenizer": str(paths.tokenizer), "threads": args.threads, "device": args.device},
+        "channel": {"mode": "passthrough"}, "pin": {"mode": args.mode, "draft_len": args.draft_len},
+        "estimator": {"fit_verify_after": 0},
+        "scenario": {"bits_per_prob": 16, "max_draft_len": max(8, args.draft_len),
+                     "devices": [{"name": "d0", "distance_m": 100, "draft_time_s": 0.001, "acceptance": 0.65}]},
+    })
+    params = SamplingParams(**profile.sampling.model_dump())
+    prompt_ids = load_tokenizer(str(paths.tokenizer)).encode(prompt).ids
+
+    results = []
+    for rep in range(args.repeats):  # alternate the two sides: load from other work hits both alike
+        with tempfile.TemporaryDirectory() as tmp:
+            run_live(profile, Path(tmp) / "run", progress=False)
+            _, records = load_run(Path(tmp) / "run")
+            outputs = json.loads((Path(tmp) / "run" / "outputs.json").read_text())
+        ref_tokens, ref_times, ref_counts = in_process(paths, prompt_ids, args.rounds, args.draft_len, args.seed,
+                                                       params, 16, threads=args.threads, device=args.device)
+        # Skip the first round of each (prefill and warm-up). The testbed's time is wall time between round
+        # starts, so planning, channel configuration and record writing (fsync) between rounds count too.
+        tb_time = records[-1]["t_start_s"] + records[-1]["measured"]["round_s"] - records[1]["t_start_s"]
+        tb_tokens = sum(r["measured"]["tokens"] for r in records[1:])
+        ip_time = sum(ref_times[1:])
+        n = len(records) - 1
+        results.append({"identical_tokens": outputs["d0"]["output_ids"] == ref_tokens,
+                        "testbed_tokens_per_s": tb_tokens / tb_time,
+                        "in_process_tokens_per_s": sum(ref_counts[1:]) / ip_time,
+                        "ratio": (tb_tokens / tb_time) / (sum(ref_counts[1:]) / ip_time),
+                        "mean_round_ms_testbed": 1000 * tb_time / n, "mean_round_ms_in_process": 1000 * ip_time / n,
+                        "overhead_ms_per_round": 1000 * (tb_time - ip_time) / n,
+                        "median_plan_ms": 1000 * float(np.median([r.get("plan_s") or 0.0 for r in records[1:]]))})
+    result = {"pair": args.pair, "rounds": args.rounds, "draft_len": args.draft_len, "mode": args.mode,
+              "repeats": results, "identical_tokens": all(r["identical_tokens"] for r in results),
+              "median_ratio": float(np.median([r["ratio"] for r in results])),
+              "median_overhead_ms_per_round": float(np.median([r["overhead_ms_per_round"] for r in results]))}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"pair {args.pair}, {args.rounds} rounds, L = {args.draft_len}, {args.mode} mode, pass-through channel")
+        print(f"  identical tokens: {result['identical_tokens']}")
+        for i, r in enumerate(results):
+            print(f"  [{i}] testbed {r['testbed_tokens_per_s']:7.1f} tok/s ({r['mean_round_ms_testbed']:.2f} ms/round, "
+                  f"planning {r['median_plan_ms']:.2f} ms)  in-process {r['in_process_tokens_per_s']:7.1f} tok/s "
+                  f"({r['mean_round_ms_in_process']:.2f} ms/round)  ratio {r['ratio']:.3f}  "
+                  f"overhead {r['overhead_ms_per_round']:.2f} ms/round")
+        print(f"  median ratio {result['median_ratio']:.3f} (target >= 0.8); median overhead "
+              f"{result['median_overhead_ms_per_round']:.2f} ms per round")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -59,4 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m testbed.cli` this file is `__main__`; run the package module so that the
+    # subcommands' `from testbed.cli import CliError` is the class caught here.
+    from testbed.cli import main as package_main
+
+    sys.exit(package_main())

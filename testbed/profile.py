@@ -117,6 +117,13 @@ class Profile(_Strict):
             raise ValueError(f"policy: {self.policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
         if self.prompts is not None and not self.prompts:
             raise ValueError("prompts: an empty list is not allowed; give at least one prompt or omit it")
+        # Validate the scenario now, not rounds later; the model's vocabulary is filled in at run time.
+        from testbed.scenario import ScenarioError
+
+        try:
+            self.scenario_obj(vocab_size=self.scenario.get("vocab_size") or 2)
+        except ScenarioError as exc:
+            raise ValueError(f"scenario: {exc}") from None
         return self
 
     # -- derived ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from testbed.sampling import SamplingParams, sample_from, to_probs
+from testbed.sampling import WIRE_DTYPES, SamplingParams, exact_from_wire, sample_from, to_probs, to_wire_precision
 
 
 class OnnxDrafter:
@@ -47,6 +47,7 @@ class OnnxDrafter:
         self._cache, self._cached, self._pending, self._context = self._empty_cache(), [], [], []
         self._last_drafts: list[int] | None = None
         self.last_logits: np.ndarray | None = None
+        self.last_wire: np.ndarray | None = None  # wire rows of the last draft(wire_bits=...), for the upload
 
     def _empty_cache(self) -> list[np.ndarray]:
         return [np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32) for _ in self._past_names]
@@ -70,6 +71,7 @@ class OnnxDrafter:
         self._context = list(ids)  # all committed tokens
         self._last_drafts: list[int] | None = None
         self.last_logits: np.ndarray | None = None
+        self.last_wire: np.ndarray | None = None
 
     @property
     def context(self) -> list[int]:
@@ -97,27 +99,42 @@ class OnnxDrafter:
         return out[0][0]
 
     # -- drafting ----------------------------------------------------------------------------------------
-    def draft(self, n: int, params: SamplingParams, rng: np.random.Generator) -> tuple[list[int], np.ndarray]:
-        """Sample n draft tokens; returns them and q (n, V) float32, the rows they were sampled from."""
+    def draft(self, n: int, params: SamplingParams, rng: np.random.Generator, *,
+              wire_bits: int | None = None) -> tuple[list[int], np.ndarray]:
+        """Sample n draft tokens; returns them and q (n, V), the rows they were sampled from.
+
+        Without `wire_bits`: q is float32 `to_probs` of the logits. With it: each row is cast to the wire
+        precision (kept in `last_wire` for the upload) and q = exact_from_wire of it (float64), which is
+        what the edge reconstructs from those bytes, so the token is sampled from the very q it verifies.
+        """
         if int(n) != n or n < 1:
             raise ValueError(f"n={n!r}: draft length must be an integer >= 1")
+        if wire_bits is not None and wire_bits not in WIRE_DTYPES:
+            raise ValueError(f"wire_bits={wire_bits!r}: not a wire precision; allowed: None, {sorted(WIRE_DTYPES)}")
         if self._last_drafts is not None:
             raise RuntimeError("draft() called twice without commit(): commit the previous round first")
         if not self._pending:
             raise RuntimeError("draft() before reset(prompt_ids)")
         logits_rows = []
         tokens: list[int] = []
-        q_rows = np.empty((n, self.vocab_size), np.float32)
+        q_rows = np.empty((n, self.vocab_size), np.float32 if wire_bits is None else np.float64)
+        wire = None if wire_bits is None else np.empty((n, self.vocab_size), WIRE_DTYPES[wire_bits])
+        self.last_wire = None
         logits = self._feed(self._pending)[-1]
         self._pending = []
         for i in range(n):
             logits_rows.append(logits)
-            q_rows[i] = to_probs(logits.astype(np.float32), params)
+            q = to_probs(logits.astype(np.float32), params)
+            if wire is not None:
+                wire[i] = to_wire_precision(q, wire_bits)
+                q = exact_from_wire(wire[i])
+            q_rows[i] = q
             tokens.append(sample_from(q_rows[i], float(rng.random())))
             if i + 1 < n:  # the last draft is fed next round, once we know whether it was accepted
                 logits = self._feed([tokens[-1]])[-1]
         self._last_drafts = tokens
         self.last_logits = np.stack(logits_rows)
+        self.last_wire = wire
         return tokens, q_rows
 
     def commit(self, n_accepted: int, next_token: int) -> None:

@@ -15,7 +15,6 @@ import logging
 import sys
 import time
 
-import numpy as np
 import zmq
 
 from device_node.hardware import HardwareProfile, load_hardware
@@ -120,17 +119,20 @@ class DeviceNode:
         sched = M.parse_schedule(header, self.max_draft_len)
         rr = RoundRandomness(self.seed, self.name, sched.round)
         t0 = time.perf_counter()
-        tokens, q_rows = self.drafter.draft(sched.draft_len, self.params, rr.draft_generator())
+        # Sampled through the wire precision: q_rows are exactly what the edge rebuilds from the upload.
+        tokens, q_rows = self.drafter.draft(sched.draft_len, self.params, rr.draft_generator(),
+                                            wire_bits=self.bits)
+        q_wire = self.drafter.last_wire
         compute_s = time.perf_counter() - t0
         # Emulated slower hardware: sleep the extra (scale - 1) x the measured compute.
         extra_s = (self.hardware.compute_scale - 1.0) * compute_s
         if extra_s > 0:
             time.sleep(extra_s)
         draft_s = time.perf_counter() - t0
-        self.pending = (sched, list(tokens), np.asarray(q_rows, dtype=np.float32))
+        self.pending = (sched, list(tokens), q_rows)  # float64: never rounded again
         timings = {"draft_s": draft_s, "compute_s": compute_s, "emulated_extra_s": extra_s,
                    "compute_scale": self.hardware.compute_scale}
-        frames = M.draft(sched.round, sched.mode, tokens, q_rows, last_token=self.committed[-1],
+        frames = M.draft(sched.round, sched.mode, tokens, q_rows, q_wire=q_wire, last_token=self.committed[-1],
                          bits_per_prob=self.bits, on_air_vocab=self.on_air, timings=timings)
         self._send_air(frames, "ul")
 
@@ -151,13 +153,13 @@ class DeviceNode:
         if v.token is not None:
             token = v.token  # UL-mode correction/bonus, or the DL-mode bonus, sampled at the edge
         else:
-            # DL mode, rejection at j = n_accepted: correct here with our own q_j at the wire precision
-            # (the same values the edge would use in UL mode) and the round's final draw.
+            # DL mode, rejection at j = n_accepted: correct here with our own q_j (the exact row the draft
+            # was sampled from, the one the edge would rebuild in UL mode), the p_j the edge verified with
+            # (exact_from_wire of the downloaded row) and the round's final draw.
             if sched.mode != "DL" or v.n_accepted >= sched.draft_len:
                 raise ProtocolError(f"verdict: a distribution p for n_accepted={v.n_accepted} in mode {sched.mode}")
             rr = RoundRandomness(self.seed, self.name, sched.round)
-            q_j = P.quantize(q_rows[v.n_accepted], self.bits)
-            token = sample_correction(v.p_row, q_j, rr.final_uniform())
+            token = sample_correction(v.p_row, q_rows[v.n_accepted], rr.final_uniform())
         correction_s = time.perf_counter() - t0
         self.drafter.commit(v.n_accepted, token)
         self.committed.extend(tokens[: v.n_accepted] + [token])

@@ -27,8 +27,8 @@ from testbed import messages as M
 from testbed import protocol as P
 from testbed.controller import Controller, channel_links, round_record
 from testbed.protocol import ProtocolError
-from testbed.sampling import (RoundRandomness, SamplingParams, count_accepted, sample_correction, sample_from,
-                              to_probs)
+from testbed.sampling import (RoundRandomness, SamplingParams, count_accepted, exact_from_wire, sample_correction,
+                              sample_from, to_probs, to_wire_precision)
 
 log = logging.getLogger("multispin.edge")
 
@@ -303,10 +303,9 @@ class EdgeServer:
                 outcome[n] = self._decide(r, n, sched[n], lg, t0)
                 self.controller.observe_acceptance(n, outcome[n]["n_accepted"], sched[n][1])
                 self.controller.observe_draft_time(n, outcome[n].get("draft_s") or 0.0, sched[n][1])
-            # The round ends when every device holds its tokens: wait for the reports that carry a device-side
-            # correction (tiny, not charged); the others are known here already.
-            needed = [n for n in present if outcome[n]["dl_payload"] == "p"]
-            self.poll(time.monotonic() + self.deadline_s, stop=lambda: all(n in self._reports for n in needed))
+            # The round ends when every device holds its tokens, which only its report tells (tiny, not
+            # charged); the report also carries the verdict's measured DL air time for the record.
+            self.poll(time.monotonic() + self.deadline_s, stop=lambda: all(n in self._reports for n in present))
         t_end = time.monotonic()
         if present and len(present) == len(names):
             self.controller.observe_round(t_end - t0, rp.plan["round_time_s"], rp.scenario.round_overhead_s)
@@ -317,7 +316,7 @@ class EdgeServer:
                 o["dl_channel"] = rep.dl_channel
                 o["correction_s"] = rep.timings.get("correction_s")
                 o["report_s"] = self._reports[n][0] - o["t_verdict"]
-            elif o["dl_payload"] == "p":
+            else:
                 o["report_late"] = True
         rec = round_record(rp, policy=self.policy, outcome=outcome, verify_s=verify_s, round_s=t_end - t0,
                            t_start_s=t0 - self.t_origin,
@@ -341,8 +340,10 @@ class EdgeServer:
         mode, L = sched
         s = self.sessions[name]
         t_arr, d, nbytes = self._inbox_drafts[name]
-        # Both ends compute with the values at the wire precision, so UL and DL give identical tokens.
-        p = P.quantize(to_probs(np.asarray(logits, dtype=np.float32), self.params), self.bits)
+        # p is used as exact_from_wire of its wire rows, in both modes: a DL device rebuilds the identical
+        # p_j from the row it downloads, so UL and DL give identical tokens.
+        p_wire = to_wire_precision(to_probs(np.asarray(logits, dtype=np.float32), self.params), self.bits)
+        p = exact_from_wire(p_wire)
         rr = RoundRandomness(self.seed, name, r)
         toks = d.tokens
         n = count_accepted(toks, d.q_at, p[np.arange(L), toks], rr.acceptance_uniforms(L))
@@ -356,15 +357,15 @@ class EdgeServer:
         else:
             token = None
             dl_payload = "p"
-            frames = M.verdict(r, n, None, p_row=p[n], bits_per_prob=self.bits, on_air_vocab=self.on_air)
+            frames = M.verdict(r, n, None, p_row=p_wire[n], bits_per_prob=self.bits, on_air_vocab=self.on_air)
         self.verifier.commit(s.sid, n)
         s.pending = None
         s.expected_token, s.last_n, s.last_drafts, s.report_round = token, n, toks.tolist(), r
         if token is None:
             s.awaiting_report = r  # the device samples the correction; the next round needs its report
         else:
-            # The edge knows the token: the round does not wait for this device's report (it is checked
-            # when it comes, and its downlink timing recorded if it comes within the round).
+            # The edge knows the token: the next round can go ahead even if this report is late (it is
+            # checked when it comes; the record marks it late).
             s.output_ids.extend(toks.tolist()[:n] + [token])
             s.pending = [token]
         s.rounds += 1

@@ -7,10 +7,13 @@ message and keeps serving the others.
 Message flow of one round (device k, round r):
   edge -> device  schedule {round, mode, draft_len, ul_power_w, dl_power_w, deadline_s}
   device -> edge  draft    {round, mode, last_token, timings, air: ul}  + tokens (L,) int32
-                           UL: + q (L, V_air) at the wire precision;  DL: + q_at (L,) at the wire precision
+                           UL: + q (L, V_air) at the wire precision;  DL: + q_at (L,) float64
   edge -> device  verdict  {round, n_accepted, token | null, air: dl}  (+ p (V_air,) when DL and rejected)
                   or       {round, dropped: true} when the device missed the deadline (no air time)
   device -> edge  report   {round, token, timings, channel of the verdict}
+
+Distributions travel as wire rows (`testbed.sampling.to_wire_precision`); both ends compute with
+`exact_from_wire` of those very rows, the q the draft tokens were sampled from and the p the edge verified with.
 """
 
 from __future__ import annotations
@@ -115,15 +118,26 @@ def parse_schedule(header: dict, max_draft_len: int) -> Schedule:
 
 # --- draft upload --------------------------------------------------------------------------------
 
-def draft(round_index: int, mode: str, tokens, q_rows, *, last_token: int, bits_per_prob: int,
+def draft(round_index: int, mode: str, tokens, q_rows, *, q_wire=None, last_token: int, bits_per_prob: int,
           on_air_vocab: int | None, timings: dict) -> list:
-    """UL mode sends every q row (padded to the on-air size); DL mode only q at the drafted tokens."""
+    """`q_rows`: the float64 rows the tokens were sampled from (exact_from_wire of `q_wire`, as
+    `OnnxDrafter.draft(..., wire_bits=b)` returns them); `q_wire`: those wire rows (`OnnxDrafter.last_wire`).
+
+    UL mode sends `q_wire` as it is (padded to the on-air size; never re-rounded from q_rows, which could
+    change it). DL mode sends q_at = q_rows[i, x_i] as float64 scalars: 8 bytes each, negligible next to a
+    distribution, and exact (a rounded scalar would no longer be the q the token was sampled from).
+    """
     toks = np.asarray(tokens, dtype=np.int32)
     if mode == "UL":
-        payload = {"tokens": toks, "q": P.to_wire(q_rows, bits_per_prob, on_air_vocab)}
+        if q_wire is None:
+            raise ValueError("q_wire: UL mode uploads the wire rows the drafts were sampled through; got None")
+        payload = {"tokens": toks, "q": P.to_wire(q_wire, bits_per_prob, on_air_vocab)}
     else:
-        q_at = np.asarray(q_rows)[np.arange(len(toks)), toks]
-        payload = {"tokens": toks, "q_at": P.to_wire(q_at, bits_per_prob)}
+        q = np.asarray(q_rows)
+        if q.dtype != np.float64:
+            raise ValueError(f"q_rows: dtype {q.dtype.name}; DL mode sends the float64 rows the drafts were "
+                             "sampled from (exact_from_wire of the wire rows)")
+        payload = {"tokens": toks, "q_at": q[np.arange(len(toks)), toks]}
     return P.encode({"type": P.DRAFT, "air": "ul", "round": int(round_index), "mode": mode,
                      "last_token": int(last_token), "timings": timings}, payload)
 
@@ -133,8 +147,8 @@ class Draft:
     round: int
     mode: str
     tokens: np.ndarray           # (L,) int64
-    q_rows: np.ndarray | None    # UL: (L, V) float32 at wire precision
-    q_at: np.ndarray             # (L,) float32 at wire precision
+    q_rows: np.ndarray | None    # UL: (L, V) float64, exact_from_wire of the received rows
+    q_at: np.ndarray             # (L,) float64, q of each drafted token
     last_token: int
     timings: dict
     channel: dict | None
@@ -158,18 +172,18 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
         if q is None or q.dtype.name != wire or q.shape != (draft_len, width):
             raise ProtocolError(f"draft.q: {None if q is None else (q.dtype.name, q.shape)} is not allowed; "
                                 f"must be {wire} of shape ({draft_len}, {width})")
-        q_rows = P.from_wire(q, vocab_size)
-        P.check_probs("draft.q", q_rows)
+        q_rows = P.from_wire(q, vocab_size, name="draft.q")
         q_at = q_rows[np.arange(draft_len), toks]
     else:
         qa = arrays.get("q_at")
-        if qa is None or qa.dtype.name != wire or qa.shape != (draft_len,):
+        if qa is None or qa.dtype != np.float64 or qa.shape != (draft_len,):
             raise ProtocolError(f"draft.q_at: {None if qa is None else (qa.dtype.name, qa.shape)} is not "
-                                f"allowed; must be {wire} of shape ({draft_len},)")
-        q_rows, q_at = None, qa.astype(np.float32)
-        if not np.all(np.isfinite(q_at)) or np.any(q_at <= 0) or np.any(q_at > 1.001):
+                                f"allowed; must be float64 of shape ({draft_len},)")
+        q_rows, q_at = None, qa.copy()
+        if not np.all(np.isfinite(q_at)) or np.any(q_at <= 0) or np.any(q_at > 1):
             raise ProtocolError(f"draft.q_at: {q_at.tolist()} is not allowed; sampled tokens need q in (0, 1]")
     if np.any(q_at <= 0):
+        # Impossible for an honest device (the token was sampled from this q): a protocol violation.
         raise ProtocolError("draft.q: a drafted token has q = 0; q must be the distribution it was sampled from")
     last = _field(header, "last_token", int, f"a token id in [0, {vocab_size})")
     if not 0 <= last < vocab_size:
@@ -184,6 +198,7 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
 
 def verdict(round_index: int, n_accepted: int, token: int | None, *, p_row=None, bits_per_prob: int = 16,
             on_air_vocab: int | None = None) -> list:
+    """`p_row`: the wire row of p_j (the edge verified with exact_from_wire of it; so will the device)."""
     arrays = {} if p_row is None else {"p": P.to_wire(p_row, bits_per_prob, on_air_vocab)}
     return P.encode({"type": P.VERDICT, "air": "dl", "round": int(round_index), "n_accepted": int(n_accepted),
                      "token": None if token is None else int(token)}, arrays)
@@ -221,8 +236,7 @@ def parse_verdict(header: dict, arrays: dict, *, draft_len: int, vocab_size: int
         p = arrays["p"]
         if p.dtype.name != wire or p.shape != (width,):
             raise ProtocolError(f"verdict.p: {(p.dtype.name, p.shape)} is not allowed; must be {wire} ({width},)")
-        p_row = P.from_wire(p, vocab_size)
-        P.check_probs("verdict.p", p_row)
+        p_row = P.from_wire(p, vocab_size, name="verdict.p")
     if token is None and p_row is None:
         raise ProtocolError("verdict: carries neither a token nor a distribution p")
     return Verdict(r, False, n, token, p_row, header.get("channel"))

@@ -54,7 +54,8 @@ def annotate_header(frame: bytes | memoryview, **fields: Any) -> bytes:
 MAX_FRAMES = 16
 MAX_ARRAY_BYTES = 64 * 1024 * 1024
 ALLOWED_DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint32")
-PROB_SUM_TOLERANCE = 1e-2  # float16 rounding of thousands of entries stays well inside this
+PROB_SUM_TOLERANCE = 1e-2  # float16 rounding of thousands of entries stays well inside this (checked
+# on the raw wire rows: a sanity check of the sender; the rows are normalised after it)
 
 # Message types (see testbed/messages.py for the builders and validators).
 REGISTER = "register"
@@ -136,41 +137,57 @@ def _buffer(frame) -> memoryview:
 
 def wire_dtype(bits_per_prob: int) -> str:
     """The numpy dtype that carries probabilities on the air (b_p of the spec)."""
-    if bits_per_prob == 16:
-        return "float16"
-    if bits_per_prob == 32:
-        return "float32"
-    raise ProtocolError(f"bits_per_prob {bits_per_prob} is not allowed on the wire; allowed: 16, 32")
-
-
-def to_wire(probs, bits_per_prob: int, on_air_vocab: int | None = None):
-    """Probabilities at the on-air precision, padded with zeros to `on_air_vocab` entries (last axis)."""
     import numpy as np
 
-    arr = np.asarray(probs).astype(wire_dtype(bits_per_prob))
+    from testbed.sampling import WIRE_DTYPES
+
+    if bits_per_prob not in WIRE_DTYPES:
+        raise ProtocolError(f"bits_per_prob {bits_per_prob} is not allowed on the wire; allowed: "
+                            f"{', '.join(map(str, sorted(WIRE_DTYPES)))}")
+    return np.dtype(WIRE_DTYPES[bits_per_prob]).name
+
+
+def to_wire(wire_rows, bits_per_prob: int, on_air_vocab: int | None = None):
+    """Rows already at the wire precision, padded with zeros to `on_air_vocab` entries (last axis).
+
+    Rounding here is refused: the receiver must get the very values the sender sampled from, and rounding
+    a normalised row again can change it (fp16(normalise(fp16(q))) != fp16(q) in general).
+    """
+    import numpy as np
+
+    arr = np.asarray(wire_rows)
+    want = wire_dtype(bits_per_prob)
+    if arr.dtype.name != want:
+        raise ValueError(f"wire rows have dtype {arr.dtype.name}; bits_per_prob {bits_per_prob} needs {want}"
+                         " (cast once with testbed.sampling.to_wire_precision and send those rows)")
     if on_air_vocab and on_air_vocab > arr.shape[-1]:
         pad = [(0, 0)] * (arr.ndim - 1) + [(0, on_air_vocab - arr.shape[-1])]
         arr = np.pad(arr, pad)
     return arr
 
 
-def from_wire(arr, vocab_size: int, *, check_padding: bool = True):
-    """Strip the on-air padding and return float32 rows (the exact values both ends compute with)."""
+def from_wire(arr, vocab_size: int, *, name: str = "distribution", check_padding: bool = True):
+    """Strip the on-air padding, check the rows, and return them as `exact_from_wire` gives them: the
+    float64 distributions the sender computed from the same wire values (bit-identical)."""
     import numpy as np
+
+    from testbed.sampling import exact_from_wire
 
     arr = np.asarray(arr)
     if arr.shape[-1] < vocab_size:
-        raise ProtocolError(f"distribution has {arr.shape[-1]} entries, fewer than the vocabulary {vocab_size}")
+        raise ProtocolError(f"{name} has {arr.shape[-1]} entries, fewer than the vocabulary {vocab_size}")
     if check_padding and arr.shape[-1] > vocab_size and np.any(arr[..., vocab_size:]):
-        raise ProtocolError(f"distribution has non-zero mass beyond the vocabulary size {vocab_size}")
-    return arr[..., :vocab_size].astype(np.float32)
+        raise ProtocolError(f"{name} has non-zero mass beyond the vocabulary size {vocab_size}")
+    rows = arr[..., :vocab_size]  # stripped before normalising: the sender normalised over V entries
+    check_probs(name, rows)
+    return exact_from_wire(rows)
 
 
 def quantize(probs, bits_per_prob: int):
-    """Round-trip through the wire precision: what the receiving end will see, as float32."""
-    import numpy as np
+    """What both ends compute with for `probs` sent at `bits_per_prob`: exact_from_wire(to_wire_precision)."""
+    from testbed.sampling import exact_from_wire, to_wire_precision
 
-    return np.asarray(probs).astype(wire_dtype(bits_per_prob)).astype(np.float32)
+    return exact_from_wire(to_wire_precision(probs, bits_per_prob))
 
 
 def check_probs(name: str, rows, *, tol: float = PROB_SUM_TOLERANCE) -> None:

@@ -81,6 +81,36 @@ def to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs.astype(out_dtype)
 
 
+# --- the wire precision: the one function f both ends apply ------------------------------------------------
+# The draft token is sampled from f(wire rows) and the edge verifies with f(the same wire bytes), so the q
+# that is used and transmitted is exactly the distribution the token was sampled from (spec, section 2).
+
+WIRE_DTYPES = {16: np.float16, 32: np.float32}
+
+
+def to_wire_precision(probs: np.ndarray, bits: int) -> np.ndarray:
+    """Probabilities cast to the on-air dtype of `bits` bits per probability (b_p)."""
+    if bits not in WIRE_DTYPES:
+        raise ValueError(f"bits={bits!r}: not a wire precision; allowed: {sorted(WIRE_DTYPES)}")
+    return np.asarray(probs).astype(WIRE_DTYPES[bits])
+
+
+def exact_from_wire(wire: np.ndarray) -> np.ndarray:
+    """Wire rows -> float64 rows normalised over the last axis: the distributions both ends compute with.
+
+    The same wire values give bit-identical rows whether passed one row or a stack of rows: the copy is
+    C-ordered, so each row is summed alone in numpy's fixed pairwise order (a Fortran-ordered copy would not
+    be). For float16 the float64 sum is exact anyway (all values are multiples of 2**-24, below 1).
+    """
+    w = np.ascontiguousarray(wire, dtype=np.float64)
+    if w.ndim < 1 or w.shape[-1] < 1:
+        raise ValueError(f"wire shape {w.shape}: need (..., V) with V >= 1")
+    total = w.sum(axis=-1, keepdims=True)
+    if not (np.isfinite(total).all() and (total > 0).all()):
+        raise ValueError("wire rows: every row needs a finite, positive sum to be a distribution")
+    return w / total
+
+
 def _name_key(device: str) -> int:
     # Stable across processes and machines (Python's hash() is salted per process).
     return int.from_bytes(hashlib.sha256(device.encode("utf-8")).digest()[:8], "little")

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from device_node.drafter import OnnxDrafter
-from testbed.sampling import RoundRandomness, SamplingParams, to_probs
+from testbed import messages as M
+from testbed import protocol as P
+from testbed.sampling import (RoundRandomness, SamplingParams, exact_from_wire, sample_from, to_probs,
+                              to_wire_precision)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,54 @@ def test_drafting_is_reproducible_from_round_randomness(micro_pair):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("bits", [16, 32])
+def test_wire_bits_tokens_are_sampled_from_the_returned_wire_exact_q(micro_pair, bits):
+    """With wire_bits, each token is sampled from q_exact = exact_from_wire(wire row), the rows returned;
+    they sum to 1 within 1e-12, equal exact_from_wire(last_wire) bit for bit, and are what the edge parses
+    from the upload (UL) or receives at the tokens (DL). A low temperature makes float16 underflow happen."""
+    d = OnnxDrafter(micro_pair.draft_onnx)
+    d.reset([5, 9, 13, 17])
+    underflow = 0
+    for r, params in enumerate([SamplingParams(0.25), SamplingParams(1.0), SamplingParams(0.5, top_p=0.95)]):
+        gen = RoundRandomness(8, "dev", r).draft_generator()
+        toks, q = d.draft(5, params, gen, wire_bits=bits)
+        w = d.last_wire
+        assert q.dtype == np.float64 and w.dtype == np.dtype(f"float{bits}") and w.shape == q.shape == (5, d.vocab_size)
+        # the wire rows are the transform of this round's logits cast once, q is f of them, bit for bit
+        q32 = to_probs(d.last_logits.astype(np.float32), params)
+        assert np.array_equal(w, to_wire_precision(q32, bits))
+        assert np.array_equal(q, exact_from_wire(w))
+        np.testing.assert_allclose(q.sum(axis=1), 1.0, rtol=0, atol=1e-12)
+        underflow += int(((q32 > 0) & (q == 0)).sum())
+        # the tokens are the inverse-CDF samples of these rows with the round's uniforms...
+        again = RoundRandomness(8, "dev", r).draft_generator()
+        assert toks == [sample_from(q[i], float(again.random())) for i in range(5)]
+        # ...so each token's distribution is its row: the code's token as a function of u, enumerated
+        for row in q[:2]:
+            cdf = np.cumsum(row) / row.sum()
+            lo = np.concatenate([[0.0], cdf[:-1]])
+            mass = np.zeros_like(row)
+            for a, b in zip(lo, cdf):
+                if b > a:
+                    mass[sample_from(row, min((a + b) / 2, np.nextafter(1.0, 0.0)))] += b - a
+            np.testing.assert_allclose(mass, row, rtol=0, atol=1e-12)
+        assert all(q[i, t] > 0 for i, t in enumerate(toks))
+        # the edge sees exactly these values through the messages, in both modes
+        for mode in ("UL", "DL"):
+            frames = M.draft(r, mode, toks, q, q_wire=w, last_token=0, bits_per_prob=bits,
+                             on_air_vocab=d.vocab_size + 64, timings={})
+            got = M.parse_draft(*P.decode([bytes(f) for f in frames]), mode=mode, draft_len=5,
+                                vocab_size=d.vocab_size, bits_per_prob=bits, on_air_vocab=d.vocab_size + 64)
+            assert np.array_equal(got.q_at, q[np.arange(5), toks])
+            if mode == "UL":
+                assert np.array_equal(got.q_rows, q)
+        d.commit(2, toks[2])
+    if bits == 16:
+        assert underflow > 0  # entries > 0 in float32 that the wire (and the sampling) makes 0
+    toks, q = d.draft(2, SamplingParams(), np.random.default_rng(0))  # without wire_bits: as before
+    assert d.last_wire is None and q.dtype == np.float32
+
+
 def test_drafter_errors_are_clear(micro_pair, tmp_path):
     with pytest.raises(FileNotFoundError, match="nothere.onnx"):
         OnnxDrafter(tmp_path / "nothere.onnx")
@@ -96,6 +147,8 @@ def test_drafter_errors_are_clear(micro_pair, tmp_path):
         d.commit(0, 1)
     with pytest.raises(ValueError, match="n="):
         d.draft(0, SamplingParams(), np.random.default_rng(0))
+    with pytest.raises(ValueError, match="wire_bits=8"):
+        d.draft(2, SamplingParams(), np.random.default_rng(0), wire_bits=8)
     d.draft(2, SamplingParams(), np.random.default_rng(0))
     with pytest.raises(ValueError, match="n_accepted"):
         d.commit(3, 1)

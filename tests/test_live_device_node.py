@@ -62,7 +62,7 @@ def test_device_node_protocol(micro_pair, tmp_path):
         # DL-mode rejection at position 0 with p one-hot on a token the draft gave q < 1: the correction
         # from norm(max(0, p - q)) must be that token.
         target = (first_tokens[0] + 1) % V
-        p = np.zeros(V, np.float32)
+        p = np.zeros(V, np.float16)  # a wire row (the edge sends to_wire_precision rows)
         p[target] = 1.0
         send(M.verdict(0, 0, None, p_row=p, bits_per_prob=16, on_air_vocab=1000))
         h, _ = recv()

@@ -8,7 +8,8 @@ import pytest
 from testbed import messages as M
 from testbed import protocol as P
 from testbed.protocol import ProtocolError
-from testbed.sampling import RoundRandomness, count_accepted, sample_correction, sample_from
+from testbed.sampling import (RoundRandomness, count_accepted, exact_from_wire, sample_correction, sample_from,
+                              to_wire_precision)
 
 
 def _roundtrip(frames):
@@ -50,16 +51,22 @@ def test_header_size_and_frame_count_limits():
 
 
 def test_wire_padding_and_stripping():
-    q = np.array([[0.5, 0.25, 0.25]], np.float32)
-    w = P.to_wire(q, 16, on_air_vocab=8)
+    q = np.array([[0.5, 0.2, 0.3]], np.float32)
+    rows = to_wire_precision(q, 16)
+    w = P.to_wire(rows, 16, on_air_vocab=8)
     assert w.shape == (1, 8) and w.dtype == np.float16 and not w[:, 3:].any()
     back = P.from_wire(w, 3)
-    assert back.dtype == np.float32 and np.array_equal(back, q)
+    # the receiver gets exactly what the sender computes from its unpadded rows
+    assert back.dtype == np.float64 and np.array_equal(back, exact_from_wire(rows))
+    assert np.array_equal(back, P.quantize(q, 16))
     w[0, 5] = 0.1
     with pytest.raises(ProtocolError, match="beyond the vocabulary"):
         P.from_wire(w, 3)
     with pytest.raises(ProtocolError, match="bits_per_prob 8"):
         P.wire_dtype(8)
+    # rows not at the wire precision are refused, not rounded again (that could change them)
+    with pytest.raises(ValueError, match="dtype float32; bits_per_prob 16 needs float16"):
+        P.to_wire(q, 16)
 
 
 def test_check_probs():
@@ -77,26 +84,36 @@ def _q(L, V, seed=0):
 
 
 def test_draft_message_ul_and_dl():
-    q = _q(3, 50)
+    wire = to_wire_precision(_q(3, 50), 16)
+    q_exact = exact_from_wire(wire)  # what the drafter sampled from
     toks = [1, 7, 49]
     for mode in ("UL", "DL"):
-        frames = M.draft(4, mode, toks, q, last_token=9, bits_per_prob=16, on_air_vocab=64, timings={"draft_s": 0.1})
+        frames = M.draft(4, mode, toks, q_exact, q_wire=wire, last_token=9, bits_per_prob=16, on_air_vocab=64,
+                         timings={"draft_s": 0.1})
         header, arrays = _roundtrip(frames)
         assert header["air"] == "ul"
         d = M.parse_draft(header, arrays, mode=mode, draft_len=3, vocab_size=50, bits_per_prob=16, on_air_vocab=64)
         assert d.tokens.tolist() == toks and d.last_token == 9
-        # Both modes give the edge the same q values at the drafted tokens (the wire precision).
-        assert np.array_equal(d.q_at, P.quantize(q[np.arange(3), toks], 16))
+        # Both modes give the edge the drafter's own q values at the drafted tokens, bit for bit.
+        assert d.q_at.dtype == np.float64 and np.array_equal(d.q_at, q_exact[np.arange(3), toks])
         if mode == "UL":
-            assert d.q_rows.shape == (3, 50)
+            assert np.array_equal(d.q_rows, q_exact) and np.array_equal(arrays["q"][:, :50], wire)
         else:
-            assert d.q_rows is None and arrays["q_at"].nbytes == 6
+            assert d.q_rows is None and arrays["q_at"].dtype == np.float64 and arrays["q_at"].nbytes == 24
+    # neither mode re-rounds or sends a q that is not the one the tokens were sampled from
+    with pytest.raises(ValueError, match="dtype float32"):
+        M.draft(4, "UL", toks, q_exact, q_wire=_q(3, 50), last_token=9, bits_per_prob=16, on_air_vocab=64, timings={})
+    with pytest.raises(ValueError, match="q_wire"):
+        M.draft(4, "UL", toks, q_exact, last_token=9, bits_per_prob=16, on_air_vocab=64, timings={})
+    with pytest.raises(ValueError, match="q_rows: dtype float32"):
+        M.draft(4, "DL", toks, _q(3, 50), last_token=9, bits_per_prob=16, on_air_vocab=64, timings={})
 
 
 def test_draft_validation_names_fields():
     q = _q(2, 50)
-    header, arrays = _roundtrip(M.draft(0, "UL", [1, 2], q, last_token=0, bits_per_prob=16, on_air_vocab=None,
-                                        timings={}))
+    w = to_wire_precision(q, 16)
+    header, arrays = _roundtrip(M.draft(0, "UL", [1, 2], exact_from_wire(w), q_wire=w, last_token=0,
+                                        bits_per_prob=16, on_air_vocab=None, timings={}))
     kw = dict(mode="UL", draft_len=2, vocab_size=50, bits_per_prob=16, on_air_vocab=None)
     with pytest.raises(ProtocolError, match="draft.mode"):
         M.parse_draft(header, arrays, **{**kw, "mode": "DL"})
@@ -109,7 +126,7 @@ def test_draft_validation_names_fields():
     bad = np.full((2, 50), np.nan, np.float16)
     with pytest.raises(ProtocolError, match="NaN"):
         M.parse_draft(header, {**arrays, "q": bad}, **kw)
-    zero_at = P.to_wire(q, 16).copy()
+    zero_at = to_wire_precision(q, 16)
     zero_at[0, 1] = 0
     zero_at[0] /= zero_at[0].sum()
     with pytest.raises(ProtocolError, match="q = 0"):
@@ -117,14 +134,24 @@ def test_draft_validation_names_fields():
     header2 = dict(header, last_token=99)
     with pytest.raises(ProtocolError, match="draft.last_token"):
         M.parse_draft(header2, arrays, **kw)
+    # DL: q_at must be float64 in (0, 1]
+    hd, ad = _roundtrip(M.draft(0, "DL", [1, 2], exact_from_wire(w), last_token=0, bits_per_prob=16,
+                                on_air_vocab=None, timings={}))
+    kd = {**kw, "mode": "DL"}
+    M.parse_draft(hd, ad, **kd)
+    with pytest.raises(ProtocolError, match=r"draft.q_at.*must be float64"):
+        M.parse_draft(hd, {**ad, "q_at": ad["q_at"].astype(np.float16)}, **kd)
+    for bad_q in ([0.0, 0.5], [0.5, 1.0 + 1e-9], [np.nan, 0.5]):
+        with pytest.raises(ProtocolError, match=r"draft.q_at.*\(0, 1\]"):
+            M.parse_draft(hd, {**ad, "q_at": np.array(bad_q)}, **kd)
 
 
 def test_verdict_and_schedule_validation():
     p = _q(1, 40)[0]
-    h, a = _roundtrip(M.verdict(3, 1, None, p_row=p, bits_per_prob=16, on_air_vocab=64))
+    h, a = _roundtrip(M.verdict(3, 1, None, p_row=to_wire_precision(p, 16), bits_per_prob=16, on_air_vocab=64))
     assert h["air"] == "dl"
     v = M.parse_verdict(h, a, draft_len=4, vocab_size=40, bits_per_prob=16, on_air_vocab=64)
-    assert v.token is None and np.array_equal(v.p_row, P.quantize(p, 16))
+    assert v.token is None and np.array_equal(v.p_row, P.quantize(p, 16))  # the edge's p_exact, bit for bit
     with pytest.raises(ProtocolError, match="verdict.n_accepted"):
         M.parse_verdict(h, a, draft_len=0, vocab_size=40, bits_per_prob=16, on_air_vocab=64)
     h, a = _roundtrip(M.dropped(3, "late"))
@@ -140,34 +167,88 @@ def test_verdict_and_schedule_validation():
         M.parse_register({"type": "register", "name": "a b/c", "vocab_size": 3})
 
 
+def _draft_from(q32_rows, gen, bits):
+    """The drafter's sampling (device_node/drafter.py): each row through the wire, the token from q_exact."""
+    wire = to_wire_precision(q32_rows, bits)
+    toks = [sample_from(exact_from_wire(w), float(gen.random())) for w in wire]
+    return np.array(toks), wire
+
+
+def _edge_round(p32, bits, toks, q_at, q_rows, rr):
+    """The edge's decision (edge_node/server.py _decide): (n, token or None, p wire rows)."""
+    p_wire = to_wire_precision(p32, bits)
+    p = exact_from_wire(p_wire)
+    L = len(toks)
+    n = count_accepted(toks, q_at, p[np.arange(L), toks], rr.acceptance_uniforms(L))
+    if n == L:
+        return n, sample_from(p[L], rr.final_uniform()), p_wire
+    if q_rows is not None:  # UL: the edge corrects
+        return n, sample_correction(p[n], q_rows[n], rr.final_uniform()), p_wire
+    return n, None, p_wire
+
+
 def test_ul_and_dl_decision_paths_agree_over_many_rounds():
-    """The edge's UL path and the DL split (edge accept + device correction via the wire) give the same
-    tokens: both use the wire-precision values of p and q and the same round randomness."""
+    """Through the real message encode/parse path at 16 bits, UL (the edge corrects with the uploaded rows)
+    and DL (the edge accepts from q_at scalars, the device corrects with its own q_exact and the downloaded p)
+    give the same tokens, also when many q and p entries underflow to 0 in float16."""
     rng = np.random.default_rng(1)
-    V, L = 30, 4
+    V, L, bits = 30, 4, 16
+    rejections = underflow_rows = 0
     for r in range(300):
-        q = _q(L, V, seed=r)
-        p = _q(L + 1, V, seed=10_000 + r)
-        rr = RoundRandomness(5, "dev", r)
-        toks = np.array([int(rng.integers(V)) for _ in range(L)])
-        q[np.arange(L), toks] += 0.05
-        q /= q.sum(axis=1, keepdims=True)
+        q32 = _q(L, V, seed=r)
+        p32 = _q(L + 1, V, seed=10_000 + r)
+        if r % 2:  # peaked rows: entries > 0 in float32 that are 0 in float16 (and low-mass tails)
+            q32 = q32 ** 12
+            q32[:, : V // 3] = 1e-9
+            q32 /= q32.sum(axis=1, keepdims=True)
+            p32 = (p32 ** 8).astype(np.float32)
+            p32[:, V // 2:] = 1e-10
+            p32 /= p32.sum(axis=1, keepdims=True)
+        underflow_rows += int(((q32 > 0) & (to_wire_precision(q32, bits) == 0)).any(axis=1).sum())
+        device = f"dev-{r % 3}"
+        toks, q_wire = _draft_from(q32, RoundRandomness(5, device, r).draft_generator(), bits)
+        q_exact = exact_from_wire(q_wire)  # the device keeps these for a DL correction
         # UL: everything at the edge from the received rows.
-        hu, au = _roundtrip(M.draft(r, "UL", toks, q, last_token=0, bits_per_prob=16, on_air_vocab=None, timings={}))
-        du = M.parse_draft(hu, au, mode="UL", draft_len=L, vocab_size=V, bits_per_prob=16, on_air_vocab=None)
-        pq = P.quantize(p, 16)
-        n_ul = count_accepted(toks, du.q_at, pq[np.arange(L), toks], rr.acceptance_uniforms(L))
-        tok_ul = sample_correction(pq[n_ul], du.q_rows[n_ul], rr.final_uniform()) if n_ul < L \
-            else sample_from(pq[L], rr.final_uniform())
-        # DL: edge accepts from scalars, device corrects with its own q and the downloaded p.
-        hd, ad = _roundtrip(M.draft(r, "DL", toks, q, last_token=0, bits_per_prob=16, on_air_vocab=None, timings={}))
-        dd = M.parse_draft(hd, ad, mode="DL", draft_len=L, vocab_size=V, bits_per_prob=16, on_air_vocab=None)
-        n_dl = count_accepted(toks, dd.q_at, pq[np.arange(L), toks], rr.acceptance_uniforms(L))
-        assert n_dl == n_ul
-        if n_dl < L:
-            hv, av = _roundtrip(M.verdict(r, n_dl, None, p_row=pq[n_dl], bits_per_prob=16))
-            v = M.parse_verdict(hv, av, draft_len=L, vocab_size=V, bits_per_prob=16, on_air_vocab=None)
-            tok_dl = sample_correction(v.p_row, P.quantize(q[n_dl], 16), rr.final_uniform())
-        else:
-            tok_dl = sample_from(pq[L], rr.final_uniform())
+        hu, au = _roundtrip(M.draft(r, "UL", toks, q_exact, q_wire=q_wire, last_token=0, bits_per_prob=bits,
+                                    on_air_vocab=32, timings={}))
+        du = M.parse_draft(hu, au, mode="UL", draft_len=L, vocab_size=V, bits_per_prob=bits, on_air_vocab=32)
+        assert np.array_equal(du.q_rows, q_exact)
+        n_ul, tok_ul, _ = _edge_round(p32, bits, du.tokens, du.q_at, du.q_rows, RoundRandomness(5, device, r))
+        # DL: edge accepts from scalars; on a rejection the device corrects with its own q and the downloaded p.
+        hd, ad = _roundtrip(M.draft(r, "DL", toks, q_exact, q_wire=q_wire, last_token=0, bits_per_prob=bits,
+                                    on_air_vocab=32, timings={}))
+        dd = M.parse_draft(hd, ad, mode="DL", draft_len=L, vocab_size=V, bits_per_prob=bits, on_air_vocab=32)
+        n_dl, tok_dl, p_wire = _edge_round(p32, bits, dd.tokens, dd.q_at, None, RoundRandomness(5, device, r))
+        assert n_dl == n_ul, r
+        if tok_dl is None:
+            rejections += 1
+            hv, av = _roundtrip(M.verdict(r, n_dl, None, p_row=p_wire[n_dl], bits_per_prob=bits, on_air_vocab=32))
+            v = M.parse_verdict(hv, av, draft_len=L, vocab_size=V, bits_per_prob=bits, on_air_vocab=32)
+            assert np.array_equal(v.p_row, exact_from_wire(p_wire)[n_dl])  # the p the edge verified with
+            tok_dl = sample_correction(v.p_row, q_exact[n_dl], RoundRandomness(5, device, r).final_uniform())
         assert tok_dl == tok_ul, r
+    assert 50 < rejections < 300 and underflow_rows > 100  # both branches and the underflow case exercised
+
+
+def test_a_token_whose_float32_q_underflows_in_float16_cannot_be_drafted():
+    """The old defect: a token sampled from float32 q with q(x) > 0 but fp16(q(x)) = 0 made the edge refuse the
+    draft. Sampling through the wire never picks it, and the draft is accepted by the parser."""
+    q32 = np.array([[1e-9, 0.25, 0.75 - 1e-9]], np.float32)
+    u = 1e-10  # inverse CDF of float32 q picks entry 0
+    assert sample_from(q32[0], u) == 0
+    old = M.draft(0, "UL", [0], q32, q_wire=to_wire_precision(q32, 16), last_token=0, bits_per_prob=16,
+                  on_air_vocab=None, timings={})
+    with pytest.raises(ProtocolError, match="q = 0"):
+        M.parse_draft(*_roundtrip(old), mode="UL", draft_len=1, vocab_size=3, bits_per_prob=16, on_air_vocab=None)
+
+    class _U:  # a generator whose next uniform is u
+        def random(self):
+            return u
+
+    toks, wire = _draft_from(q32, _U(), 16)
+    assert toks.tolist() == [1] and wire[0, 0] == 0
+    for mode in ("UL", "DL"):
+        d = M.parse_draft(*_roundtrip(M.draft(0, mode, toks, exact_from_wire(wire), q_wire=wire, last_token=0,
+                                              bits_per_prob=16, on_air_vocab=None, timings={})),
+                          mode=mode, draft_len=1, vocab_size=3, bits_per_prob=16, on_air_vocab=None)
+        assert d.q_at[0] == exact_from_wire(wire)[0, 1] > 0

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from testbed.sampling import (RoundRandomness, SamplingParams, count_accepted, sample_correction, sample_from,
-                              speculative_round, to_probs)
+from testbed.sampling import (WIRE_DTYPES, RoundRandomness, SamplingParams, count_accepted, exact_from_wire,
+                              sample_correction, sample_from, speculative_round, to_probs, to_wire_precision)
 
 # --- transforms -------------------------------------------------------------------------------------------
 
@@ -148,24 +148,33 @@ def _code_token_dist(fn, weights_for_breaks):
     return out
 
 
-def _toy_model(vocab: int, seed: int, params: SamplingParams, peaky: float):
+def _toy_model(vocab: int, seed: int, params: SamplingParams, peaky: float, tiny: bool = False):
     @functools.lru_cache(maxsize=None)
     def dist(prefix: tuple) -> np.ndarray:
         r = np.random.default_rng([seed, len(prefix), *prefix])
         logits = r.normal(scale=peaky, size=vocab)
         if r.random() < 0.3:
             logits[r.integers(vocab)] = -np.inf  # exact zeros in some rows
+        if tiny and r.random() < 0.7:
+            logits[r.integers(vocab)] = np.max(logits) - 25  # ~1e-11: > 0, but 0 in float16
         return to_probs(np.where(np.isfinite(logits), logits, -1e300), params)
     return dist
 
 
-def _round_outcomes(prefix, draft_len, p_model, q_model):
-    """Exact {(n_accepted, next_token, drafts): probability} of one round, through the code's functions."""
+def _wire_model(model, bits: int):
+    """The model as both ends use it at `bits` bits: exact_from_wire(to_wire_precision(row))."""
+    return functools.lru_cache(maxsize=None)(lambda prefix: exact_from_wire(to_wire_precision(model(prefix), bits)))
+
+
+def _round_outcomes(prefix, draft_len, p_model, q_model, q_verify_model=None):
+    """Exact {(n_accepted, next_token, drafts): probability} of one round, through the code's functions.
+    Drafts are sampled from q_model; accept/reject and correction use q_verify_model (default: the same)."""
+    q_verify_model = q_verify_model or q_model
     out = {}
 
     def rec(drafts, prob):
         if len(drafts) == draft_len:
-            q_rows = [q_model(prefix + drafts[:i]) for i in range(draft_len)]
+            q_rows = [q_verify_model(prefix + drafts[:i]) for i in range(draft_len)]
             p_rows = [p_model(prefix + drafts[:i]) for i in range(draft_len + 1)]
             reach = prob
             for j in range(draft_len + 1):
@@ -204,6 +213,16 @@ def test_exact_enumeration_output_equals_target(vocab, draft_len, params, peaky)
     over as many rounds as it takes (each round is enumerated exactly)."""
     p_model = _toy_model(vocab, 11, params, peaky)
     q_model = _toy_model(vocab, 22, params, peaky)
+    got, target = _output_and_target(vocab, draft_len, p_model, q_model)
+    assert abs(sum(got.values()) - 1) < 1e-12
+    for seq in set(got) | set(target):
+        assert abs(got.get(seq, 0.0) - target.get(seq, 0.0)) < 1e-12, seq
+    if params.greedy:
+        assert len(target) == 1 and got == pytest.approx(target)
+
+
+def _output_and_target(vocab, draft_len, p_model, q_model, q_verify_model=None):
+    """Exact distributions of the first draft_len + 1 output tokens: the code's, and the target p_model's."""
     n = draft_len + 1
 
     @functools.lru_cache(maxsize=None)
@@ -211,7 +230,7 @@ def test_exact_enumeration_output_equals_target(vocab, draft_len, params, peaky)
         if remaining == 0:
             return {(): 1.0}
         out: dict[tuple, float] = {}
-        for (j, y, drafts), w in _round_outcomes(prefix, draft_len, p_model, q_model).items():
+        for (j, y, drafts), w in _round_outcomes(prefix, draft_len, p_model, q_model, q_verify_model).items():
             if w == 0:
                 continue
             emitted = (drafts[:j] + (y,))[:remaining]
@@ -232,11 +251,69 @@ def test_exact_enumeration_output_equals_target(vocab, draft_len, params, peaky)
                 rec(seq + (x,), prob * p[x])
 
     rec((), 1.0)
+    return got, target
+
+
+@pytest.mark.parametrize("vocab,draft_len,params,peaky", [
+    (4, 2, SamplingParams(1.0), 1.5),
+    (5, 2, SamplingParams(0.8, top_k=4), 3.0),
+    (6, 1, SamplingParams(1.0), 4.0),
+])
+def test_exact_enumeration_wire_exact_16_bit_output_equals_wire_target(vocab, draft_len, params, peaky):
+    """Drafting from q16 = exact_from_wire(to_wire_precision(q, 16)) and verifying with q16 and
+    p16 = exact_from_wire(to_wire_precision(p, 16)) outputs exactly p16's distribution (to 1e-12), also
+    where entries of p or q are positive in float64 but 0 in float16."""
+    p32 = _toy_model(vocab, 11, params, peaky, tiny=True)
+    q32 = _toy_model(vocab, 22, params, peaky, tiny=True)
+    p16, q16 = _wire_model(p32, 16), _wire_model(q32, 16)
+    got, target = _output_and_target(vocab, draft_len, p16, q16)
     assert abs(sum(got.values()) - 1) < 1e-12
     for seq in set(got) | set(target):
         assert abs(got.get(seq, 0.0) - target.get(seq, 0.0)) < 1e-12, seq
-    if params.greedy:
-        assert len(target) == 1 and got == pytest.approx(target)
+    # the case the fix is about occurs: entries > 0 before the wire and 0 after it, in p and in q
+    for model in (p32, q32):
+        rows = [model(pre) for pre in [(), *((x,) for x in range(vocab)),
+                                       *((x, y) for x in range(vocab) for y in range(vocab))]]
+        assert any(((r > 0) & (to_wire_precision(r, 16) == 0)).any() for r in rows)
+
+
+def test_exact_enumeration_detects_verifying_with_another_q():
+    """Negative control: sampling drafts from q but verifying with the (unnormalised, rounded) float16 copy
+    of q, the old defect, moves the output away from the target by far more than 1e-12."""
+    params = SamplingParams(1.0)
+    p_model = _toy_model(4, 11, params, 1.5)
+    q_model = _toy_model(4, 22, params, 1.5)
+    q_wire_copy = functools.lru_cache(maxsize=None)(lambda pre: q_model(pre).astype(np.float16).astype(np.float64))
+    got, target = _output_and_target(4, 2, p_model, q_model, q_wire_copy)
+    assert max(abs(got.get(s, 0.0) - target.get(s, 0.0)) for s in set(got) | set(target)) > 1e-7
+
+
+# --- the wire precision -----------------------------------------------------------------------------------
+
+
+def test_wire_precision_and_exact_rows():
+    rng = np.random.default_rng(5)
+    probs = rng.dirichlet(np.full(1000, 0.05), size=4)
+    probs[:, :3] = 1e-11  # positive, but 0 in float16
+    probs /= probs.sum(axis=1, keepdims=True)
+    for bits, dtype in WIRE_DTYPES.items():
+        w = to_wire_precision(probs, bits)
+        assert w.dtype == dtype
+        q = exact_from_wire(w)
+        assert q.dtype == np.float64
+        np.testing.assert_allclose(q.sum(axis=1), 1.0, rtol=0, atol=1e-12)
+        # bit-identical for one row or a stack, whatever the memory layout of the wire rows
+        for i in range(4):
+            assert np.array_equal(exact_from_wire(w[i]), q[i])
+        assert np.array_equal(exact_from_wire(np.asfortranarray(w)), q)
+        padded = np.pad(w, [(0, 0), (0, 37)])[:, :1000]
+        assert np.array_equal(exact_from_wire(padded), q)
+    w16 = to_wire_precision(probs, 16)
+    assert (w16[:, :3] == 0).all() and (exact_from_wire(w16)[:, :3] == 0).all()
+    with pytest.raises(ValueError, match="bits=8"):
+        to_wire_precision(probs, 8)
+    with pytest.raises(ValueError, match="positive sum"):
+        exact_from_wire(np.zeros((2, 3), np.float16))
 
 
 # --- chi-square tests -------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ def in_process(paths, prompt_ids, rounds, L, seed, params, bits, name="d0", thre
     """The same round as the testbed's edge + device, in one process with no messages."""
     from device_node.drafter import OnnxDrafter
     from edge_node.verifier import BatchedVerifier, load_target
-    from testbed import protocol as P
-    from testbed.sampling import RoundRandomness, count_accepted, sample_correction, sample_from, to_probs
+    from testbed.sampling import (RoundRandomness, count_accepted, exact_from_wire, sample_correction, sample_from,
+                                  to_probs, to_wire_precision)
 
     drafter = OnnxDrafter(paths.draft_onnx, threads=1)
     verifier = BatchedVerifier(load_target(paths.target_dir, device=device), device=device, threads=threads)
@@ -48,13 +48,13 @@ def in_process(paths, prompt_ids, rounds, L, seed, params, bits, name="d0", thre
     for r in range(rounds):
         t0 = time.perf_counter()
         rr = RoundRandomness(seed, name, r)
-        toks, q = drafter.draft(L, params, rr.draft_generator())
+        # As the device and the edge do: q sampled through the wire precision, p = f(wire rows of p).
+        toks, q = drafter.draft(L, params, rr.draft_generator(), wire_bits=bits)
         logits = verifier.verify([("s", pending, toks)])[0]
-        p = P.quantize(to_probs(logits, params), bits)
-        qq = P.quantize(q, bits)
+        p = exact_from_wire(to_wire_precision(to_probs(np.asarray(logits, dtype=np.float32), params), bits))
         idx = np.arange(L)
-        n = count_accepted(toks, qq[idx, toks], p[idx, toks], rr.acceptance_uniforms(L))
-        token = sample_correction(p[n], qq[n], rr.final_uniform()) if n < L else sample_from(p[L], rr.final_uniform())
+        n = count_accepted(toks, q[idx, toks], p[idx, toks], rr.acceptance_uniforms(L))
+        token = sample_correction(p[n], q[n], rr.final_uniform()) if n < L else sample_from(p[L], rr.final_uniform())
         verifier.commit("s", n)
         drafter.commit(n, token)
         pending = [token]

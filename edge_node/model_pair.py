@@ -83,7 +83,7 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "multispin"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -95,7 +95,7 @@ def _file_table(root: Path) -> dict:
     out = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
-            out[p.relative_to(root).as_posix()] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            out[p.relative_to(root).as_posix()] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return out
 
 
@@ -257,6 +257,6 @@ def verify_files(paths: PairPaths) -> list[str]:
     bad = []
     for rel, info in manifest["files"].items():
         p = paths.root / rel
-        if not p.is_file() or p.stat().st_size != info["bytes"] or _sha256(p) != info["sha256"]:
+        if not p.is_file() or p.stat().st_size != info["bytes"] or sha256_file(p) != info["sha256"]:
             bad.append(rel)
     return bad

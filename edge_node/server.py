@@ -303,6 +303,9 @@ class EdgeServer:
                 outcome[n] = self._decide(r, n, sched[n], lg, t0)
                 self.controller.observe_acceptance(n, outcome[n]["n_accepted"], sched[n][1])
                 self.controller.observe_draft_time(n, outcome[n].get("draft_s") or 0.0, sched[n][1])
+                charged = (outcome[n].get("ul_channel") or {}).get("bytes")
+                if charged:
+                    self.controller.observe_upload(charged, rp.per_device[n]["ul_bits"], rp.scenario.header_bits)
             # The round ends when every device holds its tokens, which only its report tells (tiny, not
             # charged); the report also carries the verdict's measured DL air time for the record.
             self.poll(time.monotonic() + self.deadline_s, stop=lambda: all(n in self._reports for n in present))

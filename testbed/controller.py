@@ -72,6 +72,9 @@ class Controller:
         self.fit_round_overhead = fit_round_overhead
         self.round_overhead_s = scenario.round_overhead_s
         self._overhead_obs: list[float] = []
+        # Protocol header bits per message: measured from what the channel charged for draft uploads.
+        self.header_bits = scenario.header_bits
+        self._header_obs: list[float] = []
 
     # -- estimates -------------------------------------------------------------------------------
     def gains_db(self, round_index: int, t_s: float) -> dict[str, float]:
@@ -122,6 +125,13 @@ class Controller:
         if len(recent) >= 3:
             self.round_overhead_s = max(0.0, float(np.median(recent)))
 
+    def observe_upload(self, charged_bytes: int, planned_bits: float, header_used_bits: float) -> None:
+        """Header bits = what the channel charged minus the payload the model counted; median of recent."""
+        self._header_obs.append(8.0 * charged_bytes - (planned_bits - header_used_bits))
+        recent = self._header_obs[-50:]
+        if len(recent) >= 3:
+            self.header_bits = max(0.0, float(np.median(recent)))
+
     # -- planning --------------------------------------------------------------------------------
     def scenario_for(self, names: list[str], gains: dict[str, float]) -> Scenario:
         """The base scenario restricted to `names`, with the current estimates in place."""
@@ -130,6 +140,7 @@ class Controller:
         data["devices"] = [d for d in data["devices"] if d["name"] in keep]
         data["verify_t0_s"], data["verify_t1_s"] = self.t0, self.t1
         data["round_overhead_s"] = self.round_overhead_s
+        data["header_bits"] = self.header_bits
         sub = Scenario.from_dict(data)
         return sub.with_device_updates(
             acceptance={n: self.est[n].alpha for n in names},

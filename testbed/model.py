@@ -70,7 +70,7 @@ def ul_first_bits(sc: Scenario, ul_mode, draft_len):
         dl = L * (bid + bp) + bid
     else:
         dl = L * bid + bid
-    return np.where(ul_mode, ul, dl)
+    return np.where(ul_mode, ul, dl) + sc.header_bits
 
 
 def lazy_post_bits(sc: Scenario, acceptance, draft_len, provisioned: bool = True):
@@ -93,11 +93,11 @@ def dl_bits_dl_mode(sc: Scenario, acceptance, draft_len):
     a = np.asarray(acceptance, float)
     d, bid, bj = distribution_bits(sc), bits_per_id(sc.vocab_size), bits_index(L)
     if sc.dl_protocol == "all_positions":
-        return (L + 1.0) * d + 0.0 * a
+        return (L + 1.0) * d + 0.0 * a + sc.header_bits
     if sc.dl_provisioning == "worst_case":
-        return bj + d + 0.0 * a
+        return bj + d + 0.0 * a + sc.header_bits
     pr = reject_probability(a, L)
-    return bj + pr * d + (1.0 - pr) * bid
+    return bj + pr * d + (1.0 - pr) * bid + sc.header_bits
 
 
 def dl_bits_realized(sc: Scenario, draft_len, rejected):
@@ -105,8 +105,8 @@ def dl_bits_realized(sc: Scenario, draft_len, rejected):
     L = np.asarray(draft_len, float)
     d, bid, bj = distribution_bits(sc), bits_per_id(sc.vocab_size), bits_index(L)
     if sc.dl_protocol == "all_positions":
-        return (L + 1.0) * d
-    return bj + np.where(rejected, d, bid)
+        return (L + 1.0) * d + sc.header_bits
+    return bj + np.where(rejected, d, bid) + sc.header_bits
 
 
 def reply_bits_ul_mode(sc: Scenario, draft_len):
@@ -389,7 +389,7 @@ def realized_round(sc: Scenario, ev: Evaluation, accepted) -> dict:
     dl_idx = np.flatnonzero(~ul_mode)
     if dl_idx.size:
         if sc.dl_provisioning == "realized":
-            big = dl_idx[bits[dl_idx] > bits_index(L[dl_idx]) + bits_per_id(sc.vocab_size)]
+            big = dl_idx[rejected[dl_idx]] if sc.dl_protocol == "rejected_only" else dl_idx
             small = np.setdiff1d(dl_idx, big)
             down[small] = sc.ul_reply_s
             if big.size:

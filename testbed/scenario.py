@@ -94,6 +94,9 @@ class Scenario(_Strict):
     verify_t1_s: float = Field(default=1.0e-4, ge=0, description="t_1 of T_ver, s per verified position")
     round_overhead_s: float = Field(default=0.0, ge=0, description="T_0, fixed per-round overhead, s")
     ul_reply_s: float = Field(default=1.0e-3, ge=0, description="time charged per small reply message, s")
+    # Protocol header carried by every draft upload and DL-mode verdict (0 in the spec; the live
+    # controller measures it from the bytes the channel charged).
+    header_bits: float = Field(default=0.0, ge=0, description="header bits added to each message")
     path_loss_law: Literal["3gpp_macro", "free_space_2ghz"] = "3gpp_macro"
     # Options (spec sections 3-5), defaults first in each list.
     ul_protocol: Literal["eager", "lazy"] = "eager"

@@ -237,3 +237,26 @@ def test_round_overhead_and_reply_constant():
     assert ev0.phases["downlink"] == pytest.approx(sc.ul_reply_s)
     assert ev1.phases["downlink"] == pytest.approx(0.004)
     assert ev1.round_time_s == pytest.approx(ev0.round_time_s + 0.05 + 0.004 - sc.ul_reply_s)
+
+
+def test_header_bits_are_charged_on_every_upload_and_dl_mode_verdict():
+    base = scenario(n=3, seed=2)
+    with_header = scenario(n=3, seed=2, header_bits=2800.0)
+    modes, lens = ["UL", "DL", "DL"], [3, 2, 4]
+    ev0, ev1 = model.evaluate(base, modes, lens), model.evaluate(with_header, modes, lens)
+    np.testing.assert_allclose(ev1.ul_bits - ev0.ul_bits, 2800.0)
+    np.testing.assert_allclose((ev1.dl_bits - ev0.dl_bits)[1:], 2800.0)
+    # The DL-mode uplink grows by exactly header / rate.
+    np.testing.assert_allclose(ev1.tx_s[1:] - ev0.tx_s[1:], 2800.0 / ev0.ul_rate_bps[1:], rtol=1e-9)
+
+
+def test_controller_learns_the_header_from_charged_bytes():
+    from testbed.controller import Controller
+
+    sc = scenario(n=2, seed=1)
+    ctl = Controller(sc)
+    planned = 1000.0
+    for extra_bytes in (300, 310, 290, 5000):  # one outlier: the median ignores it
+        ctl.observe_upload(int(planned / 8) + extra_bytes, planned, 0.0)
+    assert ctl.header_bits == pytest.approx(8 * 305)
+    assert ctl.scenario_for([d.name for d in sc.devices], ctl.static_gains).header_bits == pytest.approx(8 * 305)

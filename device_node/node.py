@@ -18,6 +18,7 @@ import time
 import zmq
 
 from device_node.hardware import HardwareProfile, load_hardware
+from device_node.options import add_arguments
 from testbed import messages as M
 from testbed import protocol as P
 from testbed.protocol import ProtocolError
@@ -174,15 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_from_args(args)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--connect", required=True, help="edge (or channel emulator) endpoint, tcp://HOST:PORT")
-    parser.add_argument("--name", required=True, help="device name (its ZeroMQ identity)")
-    parser.add_argument("--draft", required=True, help="path to the draft model's ONNX file")
-    parser.add_argument("--hardware", default=None, help="hardware profile name or YAML path (default: edge-class)")
-    parser.add_argument("--register-timeout", type=float, default=120.0, help="seconds to wait for the edge")
-    parser.add_argument("--no-tx-marker", action="store_true", help="do not send tx_start markers")
 
 
 def run_from_args(args) -> int:

@@ -51,19 +51,18 @@ import heapq
 import itertools
 import json
 import logging
-import math
 import sys
 import time
 from typing import Any
 
 import zmq
 
+from channel_emulator.checks import DL_ACCESS, finite_number
 from testbed.protocol import ProtocolError, annotate_header, decode_header
 
 log = logging.getLogger("channel_emulator.proxy")
 
 MODES = ("real", "virtual")
-DL_ACCESS = ("fdma_equal_split", "fdma_fixed_split", "tdma")
 SHARED_DL = "*tdma*"  # the link key of the one shared DL link under tdma
 
 
@@ -74,13 +73,8 @@ class ConfigError(ValueError):
 def _rate(field: str, value: Any) -> float | None:
     if value is None:
         return None
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        x = float("nan")
-    if not (math.isfinite(x) and x > 0):
-        raise ConfigError(f"{field}={value!r} is invalid; allowed: a finite rate in bit/s > 0, or null (not charged)")
-    return x
+    return finite_number(field, value, allowed="a finite rate in bit/s > 0, or null (not charged)",
+                         error=ConfigError)
 
 
 def parse_configure(msg: dict) -> dict:
@@ -88,13 +82,8 @@ def parse_configure(msg: dict) -> dict:
     dl_access = msg.get("dl_access", "fdma_equal_split")
     if dl_access not in DL_ACCESS:
         raise ConfigError(f"dl_access={dl_access!r} is invalid; allowed: {', '.join(DL_ACCESS)}")
-    base = msg.get("base_latency_s", 0.0)
-    try:
-        base = float(base)
-    except (TypeError, ValueError):
-        base = float("nan")
-    if not (math.isfinite(base) and base >= 0):
-        raise ConfigError(f"base_latency_s={msg.get('base_latency_s')!r} is invalid; allowed: a finite number >= 0")
+    base = finite_number("base_latency_s", msg.get("base_latency_s", 0.0), allowed="a finite number >= 0",
+                         low_inclusive=True, error=ConfigError)
     links = msg.get("links", {})
     if not isinstance(links, dict):
         raise ConfigError(f"links={links!r} is invalid; allowed: an object {{device: {{ul_rate_bps, dl_rate_bps}}}}")
@@ -106,14 +95,8 @@ def parse_configure(msg: dict) -> dict:
             "ul": _rate(f"links[{name!r}].ul_rate_bps", spec.get("ul_rate_bps")),
             "dl": _rate(f"links[{name!r}].dl_rate_bps", spec.get("dl_rate_bps")),
         }
-    lead = {}
-    for f in ("lead_s", "lead_per_byte_s"):
-        try:
-            lead[f] = float(msg.get(f, 0.0))
-        except (TypeError, ValueError):
-            lead[f] = float("nan")
-        if not (math.isfinite(lead[f]) and 0 <= lead[f] < 1):
-            raise ConfigError(f"{f}={msg.get(f)!r} is invalid; allowed: a number of seconds, 0 <= value < 1")
+    lead = {f: finite_number(f, msg.get(f, 0.0), allowed="a number of seconds, 0 <= value < 1", low_inclusive=True,
+                             high=1.0, error=ConfigError) for f in ("lead_s", "lead_per_byte_s")}
     mode = msg.get("mode")
     if mode is not None and mode not in MODES:
         raise ConfigError(f"mode={mode!r} is invalid; allowed: {', '.join(MODES)}")

@@ -12,23 +12,16 @@ its small replies are not charged air time).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from channel_emulator.checks import DL_ACCESS, finite_number
 from testbed import radio
 
-DL_ACCESS = ("fdma_equal_split", "fdma_fixed_split", "tdma")
 MODES = ("UL", "DL")
 
 
 def _num(field: str, value: Any, allowed: str = "a finite number > 0") -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        x = float("nan")
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"rates: {field}={value!r} is invalid; allowed: {allowed}")
-    return x
+    return finite_number(f"rates: {field}", value, allowed=allowed)
 
 
 def link_rates(gains_db: dict[str, float], schedule: dict[str, dict], *, dl_access: str = "fdma_equal_split",

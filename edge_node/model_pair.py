@@ -13,7 +13,7 @@ import os
 import platform
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "manifest.json"

@@ -202,12 +202,6 @@ def channel_links(rp: RoundPlan, fallback_dl_bps: float = 1e9) -> dict[str, dict
     return links
 
 
-def _rel_err(measured, predicted):
-    if measured is None or predicted is None or not predicted:
-        return None
-    return (measured - predicted) / predicted
-
-
 def round_record(rp: RoundPlan, *, policy: str, outcome: dict, verify_s: float | None, round_s: float,
                  t_start_s: float, extra: dict | None = None) -> dict:
     """Assemble one round record: per device and per phase, predicted next to measured.

@@ -125,12 +125,6 @@ def verify_time(sc: Scenario, draft_lens):
 
 # ---------------------------------------------------------------- radio
 
-def ul_rate(sc: Scenario, powers_w, gains=None, bandwidths=None):
-    g = sc.gains_linear() if gains is None else gains
-    b = sc.ul_bandwidths_hz() if bandwidths is None else bandwidths
-    return radio.shannon_rate_bps(b, powers_w, g, sc.noise_psd_w_hz)
-
-
 def ul_power_for_energy(bits, bandwidth_hz, gain, noise_psd_w_hz, max_power_w, energy_j, iters: int = 60):
     """Largest p <= P^max with p * bits / r(p) <= E (spec section 5, Option energy budget).
     Energy p S / r(p) increases with p, so bisect; an infinite budget gives P^max. Vectorised."""

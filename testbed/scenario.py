@@ -7,7 +7,6 @@ Every **Option** of the spec is a field with the spec's default.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -25,12 +24,6 @@ class ScenarioError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _positive(name: str, v: float) -> float:
-    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-        raise ValueError(f"must be a finite number > 0 ({name})")
-    return v
 
 
 class Device(_Strict):

@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.bench_common import interleaved_medians  # noqa: E402
 
 
 def pick_pair(args):
@@ -78,11 +79,7 @@ def main() -> int:
         return (time.perf_counter() - t) / args.tokens
 
     run_onnx(), run_torch()  # warm-up
-    o, p = [], []
-    for _ in range(args.repeats):  # interleaved so both see the same machine load
-        o.append(run_onnx())
-        p.append(run_torch())
-    mo, mp = statistics.median(o), statistics.median(p)
+    mo, mp = interleaved_medians(run_onnx, run_torch, args.repeats)
     print(f"pair: {pair.root}")
     print(f"draft decode, {args.tokens} tokens after a {args.prompt_len}-token prompt, {args.threads} thread(s), "
           f"median of {args.repeats}:")

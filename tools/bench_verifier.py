@@ -10,13 +10,13 @@ leaves every cache as it was, so the repeats see identical states.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools.bench_common import interleaved_medians  # noqa: E402
 from tools.bench_drafter import pick_pair  # noqa: E402
 
 
@@ -87,11 +87,7 @@ def main() -> int:
 
     batched(), per_device()  # the first calls prefill the contexts and warm up
     batched(), per_device()
-    b, s = [], []
-    for _ in range(args.repeats):
-        b.append(batched())
-        s.append(per_device())
-    mb, ms = statistics.median(b), statistics.median(s)
+    mb, ms = interleaved_medians(batched, per_device, args.repeats)
     print(f"target: {path} on {v.device} ({next(model.parameters()).dtype})")
     print(f"{args.devices} devices, contexts {[v.context_length(n) for n, _, _ in items]}, "
           f"draft lengths {[len(d) for _, _, d in items]}, median of {args.repeats}:")

@@ -183,13 +183,6 @@ def from_wire(arr, vocab_size: int, *, name: str = "distribution", check_padding
     return exact_from_wire(rows)
 
 
-def quantize(probs, bits_per_prob: int):
-    """What both ends compute with for `probs` sent at `bits_per_prob`: exact_from_wire(to_wire_precision)."""
-    from testbed.sampling import exact_from_wire, to_wire_precision
-
-    return exact_from_wire(to_wire_precision(probs, bits_per_prob))
-
-
 def check_probs(name: str, rows, *, tol: float = PROB_SUM_TOLERANCE) -> None:
     """Finite, non-negative, each row summing to 1 within `tol`."""
     import numpy as np

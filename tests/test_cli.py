@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from testbed.cli import build_parser, main
+from testbed.cli import build_parser
 
 
 def test_version_and_unknown_command():

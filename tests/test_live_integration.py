@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
-import pytest
 import zmq
 
 from testbed import protocol as P

@@ -58,7 +58,7 @@ def test_wire_padding_and_stripping():
     back = P.from_wire(w, 3)
     # the receiver gets exactly what the sender computes from its unpadded rows
     assert back.dtype == np.float64 and np.array_equal(back, exact_from_wire(rows))
-    assert np.array_equal(back, P.quantize(q, 16))
+    assert np.array_equal(back, exact_from_wire(to_wire_precision(q, 16)))
     w[0, 5] = 0.1
     with pytest.raises(ProtocolError, match="beyond the vocabulary"):
         P.from_wire(w, 3)
@@ -151,7 +151,7 @@ def test_verdict_and_schedule_validation():
     h, a = _roundtrip(M.verdict(3, 1, None, p_row=to_wire_precision(p, 16), bits_per_prob=16, on_air_vocab=64))
     assert h["air"] == "dl"
     v = M.parse_verdict(h, a, draft_len=4, vocab_size=40, bits_per_prob=16, on_air_vocab=64)
-    assert v.token is None and np.array_equal(v.p_row, P.quantize(p, 16))  # the edge's p_exact, bit for bit
+    assert v.token is None and np.array_equal(v.p_row, exact_from_wire(to_wire_precision(p, 16)))  # the edge's p_exact, bit for bit
     with pytest.raises(ProtocolError, match="verdict.n_accepted"):
         M.parse_verdict(h, a, draft_len=0, vocab_size=40, bits_per_prob=16, on_air_vocab=64)
     h, a = _roundtrip(M.dropped(3, "late"))
@@ -191,7 +191,6 @@ def test_ul_and_dl_decision_paths_agree_over_many_rounds():
     """Through the real message encode/parse path at 16 bits, UL (the edge corrects with the uploaded rows)
     and DL (the edge accepts from q_at scalars, the device corrects with its own q_exact and the downloaded p)
     give the same tokens, also when many q and p entries underflow to 0 in float16."""
-    rng = np.random.default_rng(1)
     V, L, bits = 30, 4, 16
     rejections = underflow_rows = 0
     for r in range(300):

@@ -10,8 +10,7 @@ import pytest
 
 from testbed import model
 from testbed.cli import main
-from testbed.optimizer import plan
-from testbed.scenario import Scenario, load_scenario
+from testbed.scenario import load_scenario
 from testbed.simulate import (SimulationError, monte_carlo, parse_sweep, point_scenario, run_sweep,
                               summary_table)
 

@@ -25,7 +25,7 @@ class VethPair:
         self._made: list[str] = []
 
     @classmethod
-    def create(cls, subnet: int | None = None) -> "VethPair":
+    def create(cls, subnet: int | None = None) -> VethPair:
         tag = uuid.uuid4().hex[:6]
         pair = cls(tag, subnet if subnet is not None else int(tag[:2], 16) % 250 + 1)
         try:
@@ -58,7 +58,7 @@ class VethPair:
             _ip("netns", "del", ns, check=False)  # deleting a namespace removes its veth end and the peer
         self._made.clear()
 
-    def __enter__(self) -> "VethPair":
+    def __enter__(self) -> VethPair:
         return self
 
     def __exit__(self, *exc) -> None:

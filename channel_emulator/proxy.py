@@ -57,8 +57,9 @@ from typing import Any
 
 import zmq
 
+from channel_emulator import DEFAULT_SPIN_S
 from channel_emulator.checks import DL_ACCESS, finite_number
-from testbed.protocol import ProtocolError, annotate_header, decode_header
+from testbed.wire.protocol import TX_START, ProtocolError, annotate_header, decode_header
 
 log = logging.getLogger("channel_emulator.proxy")
 
@@ -118,7 +119,7 @@ class _LinkStats:
 
 class ChannelProxy:
     def __init__(self, frontend_bind: str, edge_connect: str, control_bind: str, mode: str = "real",
-                 spin_s: float = 0.0005, marker_ttl_s: float = 5.0, context: zmq.Context | None = None):
+                 spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, context: zmq.Context | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid; allowed: {', '.join(MODES)}")
         if not (0 <= spin_s < 1):
@@ -191,7 +192,7 @@ class ChannelProxy:
             self.counters["passed"] += 1
             self._send(direction, ident, body)
             return
-        if header["type"] == "tx_start":
+        if header["type"] == TX_START:
             self.markers[(direction, ident)] = t_arr
             self.counters["markers"] += 1
             return
@@ -332,7 +333,7 @@ class ChannelProxy:
 
 
 def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: str = "real",
-              spin_s: float = 0.0005, marker_ttl_s: float = 5.0, log_level: str | None = None) -> None:
+              spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, log_level: str | None = None) -> None:
     """Blocking: serve until a ``stop`` control request. Usable as a multiprocessing/subprocess target."""
     if log_level:
         logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -396,7 +397,7 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--edge", required=True, help="the edge ROUTER to connect to, e.g. tcp://edge-host:5555")
     p.add_argument("--control", required=True, help="bind endpoint of the control REP, e.g. tcp://0.0.0.0:5601")
     p.add_argument("--mode", choices=MODES, default="real", help="real: hold messages; virtual: annotate only")
-    p.add_argument("--spin-s", type=float, default=0.0005, help="busy-wait window before a deadline (s)")
+    p.add_argument("--spin-s", type=float, default=DEFAULT_SPIN_S, help="busy-wait window before a deadline (s)")
     p.add_argument("--marker-ttl-s", type=float, default=5.0, help="ignore tx_start markers older than this")
     return p
 

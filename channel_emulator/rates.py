@@ -1,4 +1,4 @@
-"""Per-link rates from channel gains and a schedule: a thin layer over `testbed.radio` Shannon rates.
+"""Per-link rates from channel gains and a schedule: a thin layer over `testbed.core.radio` Shannon rates.
 
 UL: each device has its own FDMA sub-band: r^U_k = B^U_k log2(1 + p^U_k g_k / (N0 B^U_k)).
 DL (``dl_access``):
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from channel_emulator.checks import DL_ACCESS, finite_number
-from testbed import radio
+from testbed.core import radio
 
 MODES = ("UL", "DL")
 

@@ -1,7 +1,7 @@
 """Channel state: the power gain g_k (dB) of every device per round, modeled or measured.
 
 Sources (``cfg["source"]``):
-- ``model``: path loss (``testbed.radio.path_loss_db``) + log-normal shadowing (sigma dB, one draw per
+- ``model``: path loss (``testbed.core.radio.path_loss_db``) + log-normal shadowing (sigma dB, one draw per
   device) + Rayleigh block fading (exponential power gain, redrawn per round) + mobility (distance over
   time). Every draw is seeded by (seed, device name[, round]) so results do not depend on query order.
 - ``trace``: an SNR trace CSV ``time_s,device,snr_db`` replayed by time (nearest earlier sample) or by
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed import radio
+from testbed.core import radio
 
 SOURCES = ("model", "trace", "live")
 FADING = ("rayleigh", "none")
@@ -220,7 +220,7 @@ class ChannelState:
         self._live: dict[str, float] = {}
 
     @classmethod
-    def from_config(cls, cfg: dict, devices: list[dict]) -> "ChannelState":
+    def from_config(cls, cfg: dict, devices: list[dict]) -> ChannelState:
         cfg = dict(cfg or {})
         source = cfg.get("source", "model")
         if source not in SOURCES:

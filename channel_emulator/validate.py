@@ -3,7 +3,8 @@
 A sender (DEALER, routing_id ``sender``) and a receiver (the "edge": a ROUTER) live in this process; the
 emulator runs as a separate process between them on ipc:// endpoints in a temporary directory. For each
 (rate, size) the sender stamps t0 on this host's monotonic clock, sends the ``tx_start`` marker and the
-payload; the receiver, busy-polling, stamps t1 when the whole message is in. achieved = t1 - t0, modeled = 8 bytes / rate,
+payload; the receiver, busy-polling, stamps t1 when the whole message is in.
+achieved = t1 - t0, modeled = 8 bytes / rate,
 where bytes counts every frame the emulator charges (header + payload). The next message is sent only after
 the previous one arrived, so no queueing enters. Error = achieved / modeled - 1.
 """
@@ -18,8 +19,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
 from statistics import median
+
+from channel_emulator import DEFAULT_SPIN_S
+
 
 def _percentile(xs: list[float], q: float) -> float:
     # Linear interpolation between closest ranks (numpy's default), without numpy: the validator must run
@@ -68,7 +71,7 @@ class Cell:
         return out
 
 
-def start_emulator(workdir: Path, mode: str = "real", spin_s: float = 0.0005) -> tuple[subprocess.Popen, dict]:
+def start_emulator(workdir: Path, mode: str = "real", spin_s: float = DEFAULT_SPIN_S) -> tuple[subprocess.Popen, dict]:
     eps = {"frontend": f"ipc://{workdir}/chan-front", "edge": f"ipc://{workdir}/chan-edge",
            "control": f"ipc://{workdir}/chan-ctl"}
     proc = subprocess.Popen([sys.executable, "-m", "channel_emulator.proxy", "--frontend", eps["frontend"],
@@ -99,7 +102,7 @@ class _Bench:
 
         self.spin_receive = spin_receive
         from channel_emulator.proxy import ChannelControl
-        from testbed.protocol import encode_header
+        from testbed.wire.protocol import encode_header, tx_start_marker
 
         self.encode_header = encode_header
         self.ctx = zmq.Context()
@@ -116,14 +119,14 @@ class _Bench:
         # Warm-up: the first message through opens the emulator's DEALER towards the edge.
         self.sender.send_multipart([encode_header({"type": "hello"})])
         self.edge.recv_multipart()
-        self.marker = encode_header({"type": "tx_start", "air": "ul"})
+        self.marker = tx_start_marker("ul")
 
     def header(self) -> bytes:
         return self.encode_header({"type": "payload", "air": "ul", "seq": 0})  # same length every time
 
     def send_one(self, payload: bytes, use_marker: bool = True) -> tuple[float, dict]:
         """Send one charged message; returns (achieved seconds on this host's clock, channel annotation)."""
-        from testbed.protocol import decode_header
+        from testbed.wire.protocol import decode_header
 
         header = self.header()
         t0 = time.monotonic()
@@ -173,7 +176,7 @@ def repeats_for(modeled_s: float, repeats: int | None) -> int:
 
 
 def run_validation(sizes=DEFAULT_SIZES, rates=DEFAULT_RATES, repeats: int | None = None, mode: str = "real",
-                   max_modeled_s: float = 3.0, spin_s: float = 0.0005, use_marker: bool = True,
+                   max_modeled_s: float = 3.0, spin_s: float = DEFAULT_SPIN_S, use_marker: bool = True,
                    lead: str | tuple[float, float] = "auto", progress=None) -> tuple[list[Cell], dict]:
     """Returns the cells and the lead used (``lead="auto"``: calibrated first; ``(a, b)``: given)."""
     if repeats is not None and repeats < 1:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from testbed.sampling import WIRE_DTYPES, SamplingParams, exact_from_wire, sample_from, to_probs, to_wire_precision
+from testbed.core.sampling import WIRE_DTYPES, SamplingParams, exact_from_wire, sample_from, to_probs, to_wire_precision
 
 
 class OnnxDrafter:

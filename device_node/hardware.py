@@ -13,7 +13,9 @@ from pathlib import Path
 
 import yaml
 
-HARDWARE_DIR = Path(__file__).resolve().parents[1] / "profiles" / "hardware"
+from testbed import PROFILES_DIR
+
+HARDWARE_DIR = PROFILES_DIR / "hardware"
 
 
 @dataclass(frozen=True)

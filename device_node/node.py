@@ -19,10 +19,10 @@ import zmq
 
 from device_node.hardware import HardwareProfile, load_hardware
 from device_node.options import add_arguments
-from testbed import messages as M
-from testbed import protocol as P
-from testbed.protocol import ProtocolError
-from testbed.sampling import RoundRandomness, SamplingParams, sample_correction
+from testbed.core.sampling import RoundRandomness, SamplingParams, sample_correction
+from testbed.wire import messages as M
+from testbed.wire import protocol as P
+from testbed.wire.protocol import ProtocolError
 
 log = logging.getLogger("multispin.device")
 
@@ -52,7 +52,7 @@ class DeviceNode:
         # A tiny marker first: the channel emulator starts the air time when the marker arrives, so the
         # real transfer time of the large payload is absorbed instead of added (no clocks are compared).
         if self.tx_marker:
-            self.sock.send(P.encode_header({"type": "tx_start", "air": air, "marker": True}))
+            self.sock.send(P.tx_start_marker(air))
         self.sock.send_multipart(frames, copy=False)
 
     # -- life cycle -----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ class PairPaths:
     manifest: Path
 
     @classmethod
-    def under(cls, root: Path) -> "PairPaths":
+    def under(cls, root: Path) -> PairPaths:
         root = Path(root)
         return cls(root, root / "target", root / "draft", root / "draft.onnx", root / "tokenizer.json",
                    root / MANIFEST)
@@ -72,7 +72,8 @@ class PairBuildConfig:
 DEFAULT_CONFIG = PairBuildConfig()
 # Builds in seconds: the pair the tests use (same code path, tiny everything).
 MICRO_CONFIG = PairBuildConfig(
-    name="micro-pair", seed=7, corpus="stdlib", max_corpus_chars=120_000, heldout_every=4, vocab_size=320, context=64, batch=8,
+    name="micro-pair", seed=7, corpus="stdlib", max_corpus_chars=120_000, heldout_every=4, vocab_size=320,
+    context=64, batch=8,
     target_shape=(48, 2, 4, 96), draft_shape=(32, 1, 4, 64), target_steps=60, draft_steps=60,
     target_lr=1e-2, draft_lr=1e-2, threads=1, eval_tokens=1024, spec_prompts=2, spec_new_tokens=16,
     spec_prompt_len=16, draft_len=4)
@@ -128,10 +129,19 @@ def build_pair(config: PairBuildConfig, out_dir: Path, progress: bool = True) ->
 
     from edge_node.corpus import load_corpus
     from edge_node.onnx_export import export_draft_onnx
-    from edge_node.training import (ModelShape, acceptance_summary, encode_documents, make_model, param_count,
-                                    perplexity, speculative_generate, teacher_forced_acceptance, train_lm,
-                                    train_tokenizer)
-    from testbed.sampling import SamplingParams
+    from edge_node.training import (
+        ModelShape,
+        acceptance_summary,
+        encode_documents,
+        make_model,
+        param_count,
+        perplexity,
+        speculative_generate,
+        teacher_forced_acceptance,
+        train_lm,
+        train_tokenizer,
+    )
+    from testbed.core.sampling import SamplingParams
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".building")

@@ -23,12 +23,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from testbed import messages as M
-from testbed import protocol as P
 from testbed.controller import Controller, channel_links, round_record
-from testbed.protocol import ProtocolError
-from testbed.sampling import (RoundRandomness, SamplingParams, count_accepted, exact_from_wire, sample_correction,
-                              sample_from, to_probs, to_wire_precision)
+from testbed.core.sampling import (
+    RoundRandomness,
+    SamplingParams,
+    count_accepted,
+    exact_from_wire,
+    sample_correction,
+    sample_from,
+    to_probs,
+    to_wire_precision,
+)
+from testbed.wire import messages as M
+from testbed.wire import protocol as P
+from testbed.wire.protocol import ProtocolError
 
 log = logging.getLogger("multispin.edge")
 
@@ -97,7 +105,7 @@ class EdgeServer:
 
     def _send_air(self, name: str, frames: list) -> None:
         if self.tx_marker and self.channel is not None:
-            self._send(name, [P.encode_header({"type": "tx_start", "air": "dl", "marker": True})])
+            self._send(name, [P.tx_start_marker("dl")])
         self._send(name, frames)
 
     def _refuse(self, name: str, reason: str, round_index=None) -> None:
@@ -136,7 +144,7 @@ class EdgeServer:
             return
         kind = header["type"]
         try:
-            if kind == "tx_start":
+            if kind == P.TX_START:
                 return  # a marker that reached us directly (no emulator in between)
             if kind == P.REGISTER:
                 self._on_register(name, header)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from testbed.sampling import RoundRandomness, SamplingParams, sample_from, speculative_round, to_probs
+from testbed.core.sampling import RoundRandomness, SamplingParams, sample_from, speculative_round, to_probs
 
 SPECIAL_TOKENS = ["<|endoftext|>"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from testbed.scenario import Scenario
+from testbed.core.scenario import Scenario
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Controller:
         )
 
     def plan_round(self, round_index: int, names: list[str], t_s: float = 0.0) -> RoundPlan:
-        from testbed.optimizer import plan
+        from testbed.core.optimizer import plan
 
         gains = self.gains_db(round_index, t_s)
         scen = self.scenario_for(names, gains)
@@ -171,7 +171,7 @@ class Controller:
     def _pinned(self, scen: Scenario, planned: dict) -> dict:
         """The profile pins every device's mode and/or draft length (e.g. to compare UL and DL mode on the
         same schedule); the prediction is the model's evaluation of that schedule."""
-        from testbed.model import evaluate
+        from testbed.core.model import evaluate
 
         modes = [self.pin_mode or d["mode"] for d in planned["devices"]]
         lens = [min(self.pin_draft_len or d["draft_len"], scen.max_draft_len) for d in planned["devices"]]

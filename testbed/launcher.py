@@ -128,8 +128,8 @@ def run_live(profile: Profile, run_dir: Path, *, progress: bool = True, start_de
     from edge_node.verifier import BatchedVerifier, load_target
     from testbed import report
     from testbed.controller import Controller
+    from testbed.core.sampling import SamplingParams
     from testbed.records import RunRecorder
-    from testbed.sampling import SamplingParams
 
     run_dir = Path(run_dir)
     recorder = RunRecorder(run_dir)

@@ -7,12 +7,14 @@ Loaded from YAML with `load_profile(path | dict)`; errors name the field, the va
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
+from channel_emulator import DEFAULT_SPIN_S
+from testbed import PROFILES_DIR
+
 DEFAULT_PROFILE = PROFILES_DIR / "emulation.yaml"
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"
 
@@ -27,29 +29,29 @@ class _Strict(BaseModel):
 
 class Endpoints(_Strict):
     # None: chosen by the launcher (ipc:// sockets in a private temp dir for an emulation run).
-    edge_bind: Optional[str] = Field(default=None, description="edge ROUTER bind, e.g. tcp://0.0.0.0:5555")
-    device_connect: Optional[str] = Field(default=None, description="what devices connect to")
-    channel_frontend: Optional[str] = Field(default=None, description="channel emulator frontend bind")
-    channel_control: Optional[str] = Field(default=None, description="channel emulator control endpoint")
+    edge_bind: str | None = Field(default=None, description="edge ROUTER bind, e.g. tcp://0.0.0.0:5555")
+    device_connect: str | None = Field(default=None, description="what devices connect to")
+    channel_frontend: str | None = Field(default=None, description="channel emulator frontend bind")
+    channel_control: str | None = Field(default=None, description="channel emulator control endpoint")
 
 
 class ChannelSettings(_Strict):
     mode: Literal["real", "virtual", "passthrough"] = "real"
     base_latency_s: float = Field(default=0.0, ge=0)
-    spin_s: float = Field(default=0.0005, ge=0, lt=1, description="busy-wait window of the emulator")
+    spin_s: float = Field(default=DEFAULT_SPIN_S, ge=0, lt=1, description="busy-wait window of the emulator")
     # ChannelState config (channel_emulator.state): None = the scenario's static gains every round.
-    state: Optional[dict[str, Any]] = None
+    state: dict[str, Any] | None = None
 
 
 class ModelSettings(_Strict):
     pair: Literal["default", "local"] = "default"
-    target: Optional[str] = Field(default=None, description="HF dir or GGUF file of the target (pair: local)")
-    draft_onnx: Optional[str] = Field(default=None, description="the draft's ONNX file (pair: local)")
-    tokenizer: Optional[str] = Field(default=None, description="tokenizer JSON or HF dir (pair: local)")
-    device: Optional[str] = Field(default=None, description="torch device of the target (default: cuda if any)")
+    target: str | None = Field(default=None, description="HF dir or GGUF file of the target (pair: local)")
+    draft_onnx: str | None = Field(default=None, description="the draft's ONNX file (pair: local)")
+    tokenizer: str | None = Field(default=None, description="tokenizer JSON or HF dir (pair: local)")
+    device: str | None = Field(default=None, description="torch device of the target (default: cuda if any)")
     # torch intra-op threads of the edge; on a host shared with emulated devices 1 avoids thread contention
     # (measured here: micro target verify 98 ms with 2 threads under load vs 10 ms with 1).
-    threads: Optional[int] = Field(default=None, ge=1, description="None: torch's default")
+    threads: int | None = Field(default=None, ge=1, description="None: torch's default")
 
     @model_validator(mode="after")
     def _local_paths(self):
@@ -80,8 +82,8 @@ class EstimatorSettings(_Strict):
 class PinSettings(_Strict):
     # Pin every device's mode and/or draft length (None: the policy decides). For experiments such as
     # "UL and DL mode give the same text": same schedule, only the mode differs.
-    mode: Optional[Literal["UL", "DL"]] = None
-    draft_len: Optional[int] = Field(default=None, ge=1)
+    mode: Literal["UL", "DL"] | None = None
+    draft_len: int | None = Field(default=None, ge=1)
 
 
 class Profile(_Strict):
@@ -96,13 +98,13 @@ class Profile(_Strict):
     seed: int = Field(default=0, ge=0)
     rounds: int = Field(default=40, ge=1, description="rounds to run (the run also ends when every session is done)")
     max_new_tokens: int = Field(default=0, ge=0, description="per device session; 0 = no limit")
-    prompts: Optional[list[str]] = None
-    prompts_file: Optional[str] = None
+    prompts: list[str] | None = None
+    prompts_file: str | None = None
     policy: str = "proposed"
     fixed_length: int = Field(default=4, ge=1)
     deadline_s: float = Field(default=10.0, gt=0, description="a device's draft must arrive within this")
     max_misses: int = Field(default=2, ge=1, description="consecutive misses before a device leaves the session")
-    on_air_vocab_size: Optional[int] = Field(default=None, ge=2, description="pad distributions on the air")
+    on_air_vocab_size: int | None = Field(default=None, ge=2, description="pad distributions on the air")
     pin: PinSettings = PinSettings()
     hardware: dict[str, str] = Field(default_factory=dict, description="device name -> hardware profile")
     device_threads: int = Field(default=1, ge=1)
@@ -111,14 +113,14 @@ class Profile(_Strict):
 
     @model_validator(mode="after")
     def _check(self):
-        from testbed.optimizer import POLICIES
+        from testbed.core.optimizer import POLICIES
 
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
         if self.prompts is not None and not self.prompts:
             raise ValueError("prompts: an empty list is not allowed; give at least one prompt or omit it")
         # Validate the scenario now, not rounds later; the model's vocabulary is filled in at run time.
-        from testbed.scenario import ScenarioError
+        from testbed.core.scenario import ScenarioError
 
         try:
             self.scenario_obj(vocab_size=self.scenario.get("vocab_size") or 2)
@@ -129,7 +131,7 @@ class Profile(_Strict):
     # -- derived ---------------------------------------------------------------------------------
     def scenario_obj(self, vocab_size: int | None = None):
         """The analytic scenario; `vocab_size` (the model's) is replaced by the on-air size when set."""
-        from testbed.scenario import load_scenario
+        from testbed.scenario_file import load_scenario
 
         data = dict(self.scenario)
         v = self.on_air_vocab_size or vocab_size

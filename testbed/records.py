@@ -15,9 +15,10 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 PACKAGES = ("numpy", "torch", "transformers", "tokenizers", "onnxruntime", "pyzmq", "pydantic", "scipy")
 

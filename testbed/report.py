@@ -55,9 +55,11 @@ def error_stats(pairs: list[tuple[float, float]]) -> dict | None:
     if rel.size == 0:
         return None
     diff = np.array([m - p for p, m in pairs])
-    return {"n": int(rel.size), "median_abs_diff": float(np.median(np.abs(diff))), "median_error": float(np.median(rel)), "median_abs_error": float(np.median(np.abs(rel))),
+    return {"n": int(rel.size), "median_abs_diff": float(np.median(np.abs(diff))),
+            "median_error": float(np.median(rel)), "median_abs_error": float(np.median(np.abs(rel))),
             "p95_abs_error": float(np.percentile(np.abs(rel), 95)),
-            "predicted_mean": float(np.mean([p for p, _ in pairs])), "measured_mean": float(np.mean([m for _, m in pairs]))}
+            "predicted_mean": float(np.mean([p for p, _ in pairs])),
+            "measured_mean": float(np.mean([m for _, m in pairs]))}
 
 
 def summarize(records: list[dict]) -> dict:

@@ -83,7 +83,7 @@ def plot_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
     if mc:
         an = _grouped(rows, "goodput_tps")
         fig, ax = _axes(key, "goodput (tokens/s)", f"Analytic (lines) vs Monte Carlo (markers) vs {key}")
-        for policy, (xs, m, lo, hi) in mc.items():
+        for policy, (xs, m, _lo, _hi) in mc.items():
             line, = ax.plot(an[policy][0], an[policy][1], lw=1.3, label=f"{policy} analytic")
             ax.plot(xs, m, "x", ms=7, color=line.get_color(), label=f"{policy} MC")
         ax.legend(fontsize=7, ncol=2)

@@ -11,7 +11,7 @@ import zmq
 from channel_emulator.proxy import ChannelControl
 from channel_emulator.validate import _percentile
 from testbed.cli import main
-from testbed.protocol import decode_header, encode_header
+from testbed.wire.protocol import decode_header, encode_header
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,14 +16,14 @@ import zmq
 
 from channel_emulator.netns import VethPair
 from channel_emulator.proxy import ChannelControl
-from testbed.protocol import decode_header, encode_header
+from testbed.wire.protocol import decode_header, encode_header
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.netns
 
 SENDER = textwrap.dedent("""
     import json, sys, zmq
-    from testbed.protocol import encode_header, decode_header
+    from testbed.wire.protocol import encode_header, decode_header, tx_start_marker
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.ROUTING_ID, b"far")
@@ -33,7 +33,7 @@ SENDER = textwrap.dedent("""
     s.send(encode_header({"type": "register"}))
     assert decode_header(s.recv())["type"] == "go"
     for i in range(3):  # back to back: the emulator queues them FIFO on the far device's uplink
-        s.send(encode_header({"type": "tx_start", "air": "ul"}))
+        s.send(tx_start_marker("ul"))
         s.send_multipart([encode_header({"type": "draft", "air": "ul", "i": i}), bytes(25000)])
     h, body = s.recv_multipart()  # a charged downlink message from the edge
     print(json.dumps({"dl": decode_header(h), "bytes": len(body)}), flush=True)

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from channel_emulator.proxy import ChannelControl
-from testbed.protocol import decode_header, encode_header
+from testbed.wire.protocol import decode_header, encode_header, tx_start_marker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,7 +91,7 @@ def test_charged_message_is_held_for_its_air_time_and_annotated(bench):
     payload = np.random.default_rng(0).integers(0, 255, 10_000, dtype=np.uint8)
     hdr = encode_header({"type": "draft", "air": "ul"})
     t0 = time.monotonic()
-    d.send(encode_header({"type": "tx_start", "air": "ul"}))
+    d.send(tx_start_marker("ul"))
     d.send_multipart([hdr, payload])
     ident, h, body = bench.edge.recv_multipart()  # the marker itself is consumed, not forwarded
     elapsed = time.monotonic() - t0

@@ -11,10 +11,16 @@ import pytest
 import torch
 
 from device_node.drafter import OnnxDrafter
-from testbed import messages as M
-from testbed import protocol as P
-from testbed.sampling import (RoundRandomness, SamplingParams, exact_from_wire, sample_from, to_probs,
-                              to_wire_precision)
+from testbed.core.sampling import (
+    RoundRandomness,
+    SamplingParams,
+    exact_from_wire,
+    sample_from,
+    to_probs,
+    to_wire_precision,
+)
+from testbed.wire import messages as M
+from testbed.wire import protocol as P
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +167,7 @@ def test_device_side_imports_no_torch(micro_pair):
         "import sys\n"
         "import numpy as np\n"
         "from device_node.drafter import OnnxDrafter\n"
-        "from testbed.sampling import SamplingParams, sample_correction\n"
+        "from testbed.core.sampling import SamplingParams, sample_correction\n"
         f"d = OnnxDrafter({str(micro_pair.draft_onnx)!r})\n"
         "d.reset([1, 2, 3]); d.draft(2, SamplingParams(), np.random.default_rng(0))\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"

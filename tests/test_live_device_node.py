@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import zmq
 
-from testbed import messages as M
-from testbed import protocol as P
+from testbed.wire import messages as M
+from testbed.wire import protocol as P
 
 
 def test_device_node_protocol(micro_pair, tmp_path):

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import zmq
 
-from testbed import protocol as P
 from testbed.launcher import run_live
 from testbed.profile import load_profile
 from testbed.records import load_run
+from testbed.wire import protocol as P
 
 
 def _profile(pair, **overrides):
@@ -168,7 +168,7 @@ def test_malformed_and_oversized_messages_are_refused(micro_pair, tmp_path):
 
 
 def test_device_process_never_imports_torch():
-    code = ("import sys, device_node.node, device_node.drafter, device_node.hardware, testbed.messages; "
+    code = ("import sys, device_node.node, device_node.drafter, device_node.hardware, testbed.wire.messages; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from testbed import model, power, radio
-from testbed.scenario import Scenario
+from testbed.core import model, power, radio
+from testbed.core.scenario import Scenario
 
 N0 = radio.noise_psd_w_per_hz(-174, 9)
 

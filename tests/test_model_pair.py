@@ -58,7 +58,7 @@ def test_greedy_speculative_decoding_equals_target_greedy(micro_pair):
     from transformers import AutoModelForCausalLM
 
     from edge_node.training import greedy_generate, speculative_generate
-    from testbed.sampling import SamplingParams
+    from testbed.core.sampling import SamplingParams
 
     torch.set_num_threads(1)
     target = AutoModelForCausalLM.from_pretrained(str(micro_pair.target_dir)).eval()

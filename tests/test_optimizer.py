@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from testbed import model
-from testbed.optimizer import POLICIES, OptimizerError, Scorer, exhaustive_modes, greedy, plan
-from testbed.scenario import Scenario
+from testbed.core import model
+from testbed.core.optimizer import POLICIES, OptimizerError, Scorer, exhaustive_modes, greedy, plan
+from testbed.core.scenario import Scenario
 
 
 def drop(n, seed, **kw):

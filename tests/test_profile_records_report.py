@@ -11,7 +11,7 @@ from testbed import report
 from testbed.controller import Controller, round_record
 from testbed.profile import ProfileError, load_profile
 from testbed.records import RunRecorder, load_run
-from testbed.scenario import load_scenario
+from testbed.scenario_file import load_scenario
 
 SCEN = {"bits_per_prob": 16, "max_draft_len": 6,
         "devices": [{"name": "a", "distance_m": 100, "draft_time_s": 0.01, "acceptance": 0.7},

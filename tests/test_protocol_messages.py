@@ -5,11 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed import messages as M
-from testbed import protocol as P
-from testbed.protocol import ProtocolError
-from testbed.sampling import (RoundRandomness, count_accepted, exact_from_wire, sample_correction, sample_from,
-                              to_wire_precision)
+from testbed.core.sampling import (
+    RoundRandomness,
+    count_accepted,
+    exact_from_wire,
+    sample_correction,
+    sample_from,
+    to_wire_precision,
+)
+from testbed.wire import messages as M
+from testbed.wire import protocol as P
+from testbed.wire.protocol import ProtocolError
 
 
 def _roundtrip(frames):
@@ -151,7 +157,8 @@ def test_verdict_and_schedule_validation():
     h, a = _roundtrip(M.verdict(3, 1, None, p_row=to_wire_precision(p, 16), bits_per_prob=16, on_air_vocab=64))
     assert h["air"] == "dl"
     v = M.parse_verdict(h, a, draft_len=4, vocab_size=40, bits_per_prob=16, on_air_vocab=64)
-    assert v.token is None and np.array_equal(v.p_row, exact_from_wire(to_wire_precision(p, 16)))  # the edge's p_exact, bit for bit
+    # the edge's p_exact, bit for bit
+    assert v.token is None and np.array_equal(v.p_row, exact_from_wire(to_wire_precision(p, 16)))
     with pytest.raises(ProtocolError, match="verdict.n_accepted"):
         M.parse_verdict(h, a, draft_len=0, vocab_size=40, bits_per_prob=16, on_air_vocab=64)
     h, a = _roundtrip(M.dropped(3, "late"))

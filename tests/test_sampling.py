@@ -8,8 +8,18 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from testbed.sampling import (WIRE_DTYPES, RoundRandomness, SamplingParams, count_accepted, exact_from_wire,
-                              sample_correction, sample_from, speculative_round, to_probs, to_wire_precision)
+from testbed.core.sampling import (
+    WIRE_DTYPES,
+    RoundRandomness,
+    SamplingParams,
+    count_accepted,
+    exact_from_wire,
+    sample_correction,
+    sample_from,
+    speculative_round,
+    to_probs,
+    to_wire_precision,
+)
 
 # --- transforms -------------------------------------------------------------------------------------------
 
@@ -149,7 +159,7 @@ def _code_token_dist(fn, weights_for_breaks):
 
 
 def _toy_model(vocab: int, seed: int, params: SamplingParams, peaky: float, tiny: bool = False):
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def dist(prefix: tuple) -> np.ndarray:
         r = np.random.default_rng([seed, len(prefix), *prefix])
         logits = r.normal(scale=peaky, size=vocab)
@@ -179,7 +189,7 @@ def _round_outcomes(prefix, draft_len, p_model, q_model, q_verify_model=None):
             reach = prob
             for j in range(draft_len + 1):
                 if j == draft_len:
-                    for y, w in _code_token_dist(lambda u: sample_from(p_rows[j], u), p_rows[j]).items():
+                    for y, w in _code_token_dist(lambda u, j=j: sample_from(p_rows[j], u), p_rows[j]).items():
                         out[(j, y, drafts)] = out.get((j, y, drafts), 0.0) + reach * w
                     break
                 x = drafts[j]
@@ -188,7 +198,7 @@ def _round_outcomes(prefix, draft_len, p_model, q_model, q_verify_model=None):
                           if count_accepted([x], [q_rows[j][x]], [p_rows[j][x]], [mid]) == 1)
                 resid = np.maximum(0, p_rows[j] - q_rows[j])
                 if reach * (1 - acc) > 0:
-                    corr = _code_token_dist(lambda u: sample_correction(p_rows[j], q_rows[j], u), resid)
+                    corr = _code_token_dist(lambda u, j=j: sample_correction(p_rows[j], q_rows[j], u), resid)
                     for y, w in corr.items():
                         out[(j, y, drafts)] = out.get((j, y, drafts), 0.0) + reach * (1 - acc) * w
                 reach *= acc
@@ -225,7 +235,7 @@ def _output_and_target(vocab, draft_len, p_model, q_model, q_verify_model=None):
     """Exact distributions of the first draft_len + 1 output tokens: the code's, and the target p_model's."""
     n = draft_len + 1
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def generated(prefix: tuple, remaining: int) -> dict:
         if remaining == 0:
             return {(): 1.0}

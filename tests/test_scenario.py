@@ -1,13 +1,14 @@
 """Scenario schema: loading, derived values, readable errors that name the field, rebuilding helpers."""
 
-from pathlib import Path
 
 import pytest
 
-from testbed import radio
-from testbed.scenario import Scenario, ScenarioError, load_scenario
+from testbed import PROFILES_DIR
+from testbed.core import radio
+from testbed.core.scenario import Scenario, ScenarioError
+from testbed.scenario_file import load_scenario
 
-PROFILES = Path(__file__).resolve().parents[1] / "profiles" / "scenarios"
+PROFILES = PROFILES_DIR / "scenarios"
 
 
 def base(**kw):
@@ -79,14 +80,14 @@ def test_negative_bandwidth_and_duplicate_names():
 
 def test_yaml_errors(tmp_path):
     with pytest.raises(ScenarioError, match="not found"):
-        Scenario.from_yaml(tmp_path / "nope.yaml")
+        load_scenario(tmp_path / "nope.yaml")
     p = tmp_path / "list.yaml"
     p.write_text("- 1\n- 2\n")
     with pytest.raises(ScenarioError, match="expected a mapping"):
-        Scenario.from_yaml(p)
+        load_scenario(p)
     p.write_text("devices: [\n")
     with pytest.raises(ScenarioError, match="not valid YAML"):
-        Scenario.from_yaml(p)
+        load_scenario(p)
 
 
 def test_with_updates_and_device_updates():

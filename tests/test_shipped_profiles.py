@@ -1,14 +1,14 @@
 """Every profile that ships with the project loads under its schema (a typo in one is a user's first error)."""
 
-from pathlib import Path
 
 import pytest
 
 from device_node.hardware import load_hardware
+from testbed import PROFILES_DIR
 from testbed.profile import load_profile
-from testbed.scenario import load_scenario
+from testbed.scenario_file import load_scenario
 
-PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+PROFILES = PROFILES_DIR
 
 
 @pytest.mark.parametrize("path", sorted(PROFILES.glob("*.yaml")), ids=lambda p: p.name)

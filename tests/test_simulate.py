@@ -3,18 +3,17 @@
 import csv
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from testbed import model
+from testbed import PROFILES_DIR
 from testbed.cli import main
-from testbed.scenario import load_scenario
-from testbed.simulate import (SimulationError, monte_carlo, parse_sweep, point_scenario, run_sweep,
-                              summary_table)
+from testbed.core import model
+from testbed.core.simulate import SimulationError, monte_carlo, parse_sweep, point_scenario, run_sweep, summary_table
+from testbed.scenario_file import load_scenario
 
-PROFILES = Path(__file__).resolve().parents[1] / "profiles" / "scenarios"
+PROFILES = PROFILES_DIR / "scenarios"
 
 
 def test_parse_sweep_and_unknown_key():

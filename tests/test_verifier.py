@@ -10,7 +10,7 @@ import torch
 from device_node.drafter import OnnxDrafter
 from edge_node.training import greedy_generate
 from edge_node.verifier import BatchedVerifier, load_target
-from testbed.sampling import RoundRandomness, SamplingParams, speculative_round, to_probs
+from testbed.core.sampling import RoundRandomness, SamplingParams, speculative_round, to_probs
 
 
 @pytest.fixture(scope="module")

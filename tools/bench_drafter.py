@@ -17,7 +17,7 @@ from tools.bench_common import interleaved_medians  # noqa: E402
 
 
 def pick_pair(args):
-    from edge_node.model_pair import (DEFAULT_CONFIG, MICRO_CONFIG, PairPaths, ensure_pair, pair_dir)
+    from edge_node.model_pair import DEFAULT_CONFIG, MICRO_CONFIG, PairPaths, ensure_pair, pair_dir
 
     if args.pair:
         return PairPaths.under(Path(args.pair))
@@ -43,9 +43,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from device_node.drafter import OnnxDrafter
-    from testbed.sampling import SamplingParams
-
     from edge_node.verifier import cache_kwarg
+    from testbed.core.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
     pair = pick_pair(args)

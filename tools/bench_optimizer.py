@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 
-from testbed.optimizer import plan
-from testbed.scenario import DropSpec, Scenario
-from testbed.simulate import draw_devices
+from testbed.core.optimizer import plan
+from testbed.core.scenario import DropSpec, Scenario
+from testbed.core.simulate import draw_devices
 
 BUDGET_S = 0.100
 

@@ -37,8 +37,15 @@ def in_process(paths, prompt_ids, rounds, L, seed, params, bits, name="d0", thre
     """The same round as the testbed's edge + device, in one process with no messages."""
     from device_node.drafter import OnnxDrafter
     from edge_node.verifier import BatchedVerifier, load_target
-    from testbed.sampling import (RoundRandomness, count_accepted, exact_from_wire, sample_correction, sample_from,
-                                  to_probs, to_wire_precision)
+    from testbed.core.sampling import (
+        RoundRandomness,
+        count_accepted,
+        exact_from_wire,
+        sample_correction,
+        sample_from,
+        to_probs,
+        to_wire_precision,
+    )
 
     drafter = OnnxDrafter(paths.draft_onnx, threads=1)
     verifier = BatchedVerifier(load_target(paths.target_dir, device=device), device=device, threads=threads)
@@ -77,10 +84,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
+    from testbed.core.sampling import SamplingParams
     from testbed.launcher import load_tokenizer, run_live
     from testbed.profile import load_profile
     from testbed.records import load_run
-    from testbed.sampling import SamplingParams
 
     paths = pair_paths(args.pair)
     prompt = "The :mod:`json` module provides"
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
     prompt_ids = load_tokenizer(str(paths.tokenizer)).encode(prompt).ids
 
     results = []
-    for rep in range(args.repeats):  # alternate the two sides: load from other work hits both alike
+    for _rep in range(args.repeats):  # alternate the two sides: load from other work hits both alike
         with tempfile.TemporaryDirectory() as tmp:
             run_live(profile, Path(tmp) / "run", progress=False)
             _, records = load_run(Path(tmp) / "run")

@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     y = np.array([r["batched_s"] for r in rows])
     t1, t0 = np.polyfit(x, y, 1)
     rel_err = np.abs((t0 + t1 * x) - y) / y
-    print(f"{'devices':>7} {'L':>3} {'tokens':>6} {'batched ms':>10} {'serial ms':>10} {'serial/batched':>14} {'fit ms':>8}")
+    print(f"{'devices':>7} {'L':>3} {'tokens':>6} {'batched ms':>10} {'serial ms':>10} "
+          f"{'serial/batched':>14} {'fit ms':>8}")
     for r in rows:
         fit = t0 + t1 * r["tokens"]
         print(f"{r['devices']:>7} {r['draft_len']:>3} {r['tokens']:>6} {r['batched_s']*1e3:>10.2f} "

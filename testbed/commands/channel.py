@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from channel_emulator import DEFAULT_SPIN_S
+
 
 def _floats(field: str):
     def parse(text: str) -> list[float]:
@@ -34,7 +36,7 @@ def register(subparsers) -> None:
                    help="messages per cell (default: 21 for cells under 0.1 s, 5 otherwise)")
     v.add_argument("--mode", choices=["real", "virtual"], default="real")
     v.add_argument("--max-modeled-s", type=float, default=3.0, help="skip cells whose air time exceeds this")
-    v.add_argument("--spin-s", type=float, default=0.0005, help="the emulator's busy-wait window (s)")
+    v.add_argument("--spin-s", type=float, default=DEFAULT_SPIN_S, help="the emulator's busy-wait window (s)")
     v.add_argument("--lead", default="auto",
                    help="'auto' (calibrate the transport time outside the hold first), or 'A,B': release "
                         "A + B*bytes seconds early ('0,0': no compensation)")
@@ -48,14 +50,14 @@ def register(subparsers) -> None:
     s.add_argument("--control", required=True, help="bind endpoint of the control REP, e.g. tcp://0.0.0.0:5601")
     s.add_argument("--mode", choices=["real", "virtual"], default="real",
                    help="real: hold messages for their air time; virtual: forward at once, annotate only")
-    s.add_argument("--spin-s", type=float, default=0.0005, help="busy-wait window before a deadline (s)")
+    s.add_argument("--spin-s", type=float, default=DEFAULT_SPIN_S, help="busy-wait window before a deadline (s)")
     s.add_argument("--marker-ttl-s", type=float, default=5.0, help="ignore tx_start markers older than this")
     s.set_defaults(handler=_serve)
 
 
 def _validate(args) -> int:
-    from testbed.cli import CliError
     from channel_emulator import validate
+    from testbed.cli import CliError
 
     if args.repeats is not None and args.repeats < 1:
         raise CliError(f"--repeats={args.repeats}: allowed: an integer >= 1")

@@ -24,8 +24,8 @@ def handle(args) -> int:
 
     from testbed.cli import CliError
     from testbed.commands.run import load
+    from testbed.core.optimizer import POLICIES
     from testbed.launcher import resolve_pair, run_live
-    from testbed.optimizer import POLICIES
     from testbed.records import new_run_dir
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

@@ -54,9 +54,9 @@ def _config(args):
 
 
 def _build(args) -> int:
-    from edge_node.model_pair import build_pair, ensure_pair, pair_dir
-
     import dataclasses
+
+    from edge_node.model_pair import build_pair, ensure_pair, pair_dir
 
     config = _config(args)
     if args.threads is not None:

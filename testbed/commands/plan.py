@@ -6,7 +6,7 @@ import json
 
 
 def register(subparsers) -> None:
-    from testbed.optimizer import POLICIES
+    from testbed.core.optimizer import POLICIES
 
     p = subparsers.add_parser(
         "plan", help="plan one round (modes, draft lengths, powers) for a scenario",
@@ -24,7 +24,8 @@ def format_plan(d: dict) -> str:
     ph = d["phases_s"]
     lines = [
         f"policy {d['policy']}: goodput {d['goodput_tps']:.2f} tokens/s, round {d['round_time_s'] * 1e3:.1f} ms "
-        f"(uplink {ph['uplink'] * 1e3:.1f} + verify {ph['verify'] * 1e3:.1f} + downlink {ph['downlink'] * 1e3:.1f} ms), "
+        f"(uplink {ph['uplink'] * 1e3:.1f} + verify {ph['verify'] * 1e3:.1f} "
+        f"+ downlink {ph['downlink'] * 1e3:.1f} ms), "
         f"{d['num_ul_devices']} of {len(d['devices'])} devices in UL mode",
         f"{'device':>10} {'mode':>4} {'L':>3} {'E[tok]':>7} {'tok/s':>7} {'draft ms':>9} {'uplink ms':>10} "
         f"{'downlink ms':>12} {'UL Mb/s':>8} {'DL Mb/s':>8} {'p_UL W':>7} {'p_DL W':>7}",
@@ -40,8 +41,9 @@ def format_plan(d: dict) -> str:
 
 def run(args) -> int:
     from testbed.cli import CliError
-    from testbed.optimizer import OptimizerError, plan
-    from testbed.scenario import ScenarioError, load_scenario
+    from testbed.core.optimizer import OptimizerError, plan
+    from testbed.core.scenario import ScenarioError
+    from testbed.scenario_file import load_scenario
 
     try:
         sc = load_scenario(args.scenario)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import testbed
+from testbed import PROFILES_DIR
 
-DEFAULT_PROFILE = Path(testbed.__file__).parents[1] / "profiles" / "scenarios" / "default.yaml"
+DEFAULT_PROFILE = PROFILES_DIR / "scenarios" / "default.yaml"
 
 
 def register(subparsers) -> None:
@@ -35,11 +35,11 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from testbed.cli import CliError
-    from testbed.optimizer import OptimizerError
-    from testbed.scenario import ScenarioError, load_scenario
+    from testbed.core.optimizer import OptimizerError
+    from testbed.core.scenario import ScenarioError
+    from testbed.core.simulate import DEFAULT_POLICIES, SimulationError, parse_sweep, run_sweep, summary_table
+    from testbed.scenario_file import load_scenario
     from testbed.sim_plots import plot_sweep
-    from testbed.simulate import (DEFAULT_POLICIES, SimulationError, parse_sweep, run_sweep, summary_table,
-                                  write_csv)
 
     try:
         base = load_scenario(args.profile)
@@ -55,8 +55,18 @@ def run(args) -> int:
                              fixed_length=args.fixed_length, progress=bar.update)
     except (ScenarioError, SimulationError, OptimizerError) as exc:
         raise CliError(str(exc)) from None
-    write_csv(rows, out / "results.csv")
+    _write_csv(rows, out / "results.csv")
     paths = plot_sweep(rows, out)
     print(summary_table(rows))
     print(f"wrote {out / 'results.csv'} ({len(rows)} rows), " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)

@@ -12,8 +12,8 @@ q_j. Both modes draw from one `RoundRandomness`, so a device produces the same t
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

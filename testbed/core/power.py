@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from testbed import radio
+from testbed.core import radio
 
 LN2 = float(np.log(2.0))
 

@@ -5,20 +5,18 @@ drafting times and acceptance uniform in their ranges; spec section 5), each pol
 analytic prediction is recorded. With Monte Carlo on, each plan is also run for R token-level rounds:
 accepted counts drawn from the acceptance law, the realized DL set (DL-mode devices that rejected) and
 its DL time recomputed (`model.realized_round`). Output: a tidy list of rows (one per point x drop x
-policy); `write_csv` and `sim_plots` turn it into files.
+policy); the `simulate` command writes them as CSV and plots.
 """
 
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from testbed import model
-from testbed.optimizer import POLICIES, plan
-from testbed.scenario import DropSpec, Scenario
+from testbed.core import model
+from testbed.core.optimizer import POLICIES, plan
+from testbed.core.scenario import DropSpec, Scenario
 
 # sweep key -> (scenario field or special, description)
 SWEEP_KEYS = {
@@ -137,7 +135,7 @@ def run_sweep(base: Scenario, key: str, values: Iterable, *, drops: int = 5,
     for pi, value in enumerate(values):
         for drop in range(drops):
             sc = point_scenario(base, key, value, drop, seed)
-            for qi, policy in enumerate(policies):
+            for _qi, policy in enumerate(policies):
                 p = plan(sc, policy, fixed_length=fixed_length, seed=seed + drop)
                 ev = p.evaluation
                 row = dict(sweep_key=key, value=value, drop=drop, policy=policy, num_devices=sc.num_devices,
@@ -155,15 +153,6 @@ def run_sweep(base: Scenario, key: str, values: Iterable, *, drops: int = 5,
                 if progress:
                     progress(1)
     return rows
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(rows[0].keys())
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -190,7 +179,8 @@ def summary_table(rows: list[dict]) -> str:
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     has_mc = any("mc_goodput_tps" in r for r in rows)
     width = max(12, *(len(p) for p in policies)) + 1
-    head = f"{key:>12} " + "".join(f"{p:>{width}}" for p in policies) + f"{'K*':>7}{'best other':>{width}}{'prop/best':>10}"
+    head = (f"{key:>12} " + "".join(f"{p:>{width}}" for p in policies)
+            + f"{'K*':>7}{'best other':>{width}}{'prop/best':>10}")
     lines = ["mean goodput, tokens/s (K* = mean UL devices of `proposed`)", head]
     for v, per in s.items():
         line = f"{v:>12g} " + "".join(f"{per[p][0]:>{width}.2f}" for p in policies)

@@ -2,10 +2,11 @@
 
 Inner problem (fixed L): the prefix search over K (the K devices with the cheapest UL mode go UL, the rest
 DL) with the optimal DL power for each candidate DL set. Outer problem: greedy draft lengths, basic or with
-fill (the proposed policy runs greedy with fill from several starts and keeps the best). Baselines: all-UL, all-DL (optimal or equal DL power), random modes, one common length, a fixed
-length, and exhaustive search. `plan()` is the entry point; scoring is batched over many candidate
-schedules at once (numpy), and the chosen schedule is re-evaluated with `model.evaluate` so a plan's
-numbers are exactly the model's.
+fill (the proposed policy runs greedy with fill from several starts and keeps the best). Baselines:
+all-UL, all-DL (optimal or equal DL power), random modes, one common length, a fixed length, and
+exhaustive search. `plan()` is the entry point; scoring is batched over many candidate schedules at once
+(numpy), and the chosen schedule is re-evaluated with `model.evaluate` so a plan's numbers are exactly
+the model's.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from testbed import model, radio
-from testbed.power import solve_x
-from testbed.scenario import Scenario
+from testbed.core import model, radio
+from testbed.core.power import solve_x
+from testbed.core.scenario import Scenario
 
 POLICIES = {
     "proposed": "greedy draft lengths with fill (multi-start) + prefix mode search + optimal DL power",

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from testbed import power as dlpower
-from testbed import radio
-from testbed.scenario import Scenario
+from testbed.core import power as dlpower
+from testbed.core import radio
+from testbed.core.scenario import Scenario
 
 UL, DL = "UL", "DL"
 
@@ -290,7 +290,8 @@ def _check_lengths(sc: Scenario, draft_lens) -> np.ndarray:
         raise ValueError(f"draft_lens: got shape {L.shape} for {sc.num_devices} devices")
     for i, l in enumerate(L):
         if not (float(l).is_integer() and 1 <= l <= sc.max_draft_len):
-            raise ValueError(f"draft_lens[{i}]: {l.item()!r} is not allowed: must be an integer in 1..{sc.max_draft_len}")
+            raise ValueError(f"draft_lens[{i}]: {l.item()!r} is not allowed: "
+                             f"must be an integer in 1..{sc.max_draft_len}")
     return L.astype(float)
 
 

@@ -1,6 +1,6 @@
 """Typed builders and validators for the testbed's messages (numpy + the protocol module only).
 
-Frames are built with `testbed.protocol.encode` and parsed with `decode`. Every validator raises
+Frames are built with `testbed.wire.protocol.encode` and parsed with `decode`. Every validator raises
 `ProtocolError` naming the field, the value and what is allowed; the receiver answers with an error
 message and keeps serving the others.
 
@@ -12,7 +12,7 @@ Message flow of one round (device k, round r):
                   or       {round, dropped: true} when the device missed the deadline (no air time)
   device -> edge  report   {round, token, timings, channel of the verdict}
 
-Distributions travel as wire rows (`testbed.sampling.to_wire_precision`); both ends compute with
+Distributions travel as wire rows (`testbed.core.sampling.to_wire_precision`); both ends compute with
 `exact_from_wire` of those very rows, the q the draft tokens were sampled from and the p the edge verified with.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from testbed import protocol as P
-from testbed.protocol import ProtocolError
+from testbed.wire import protocol as P
+from testbed.wire.protocol import ProtocolError
 
 MODES = ("UL", "DL")
 

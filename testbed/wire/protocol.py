@@ -66,6 +66,14 @@ DRAFT = "draft"
 VERDICT = "verdict"
 REPORT = "report"
 BYE = "bye"
+# A one-frame marker a sender puts before a large payload so the emulator starts its air time when the
+# transfer starts (not when the last byte arrives).
+TX_START = "tx_start"
+
+
+def tx_start_marker(air: str) -> bytes:
+    """The header frame that opens an `air` ("ul" or "dl") transfer."""
+    return encode_header({"type": TX_START, "air": air, "marker": True})
 
 
 def encode(header: dict[str, Any], arrays: dict[str, Any] | None = None) -> list:
@@ -139,7 +147,7 @@ def wire_dtype(bits_per_prob: int) -> str:
     """The numpy dtype that carries probabilities on the air (b_p of the spec)."""
     import numpy as np
 
-    from testbed.sampling import WIRE_DTYPES
+    from testbed.core.sampling import WIRE_DTYPES
 
     if bits_per_prob not in WIRE_DTYPES:
         raise ProtocolError(f"bits_per_prob {bits_per_prob} is not allowed on the wire; allowed: "
@@ -159,7 +167,7 @@ def to_wire(wire_rows, bits_per_prob: int, on_air_vocab: int | None = None):
     want = wire_dtype(bits_per_prob)
     if arr.dtype.name != want:
         raise ValueError(f"wire rows have dtype {arr.dtype.name}; bits_per_prob {bits_per_prob} needs {want}"
-                         " (cast once with testbed.sampling.to_wire_precision and send those rows)")
+                         " (cast once with testbed.core.sampling.to_wire_precision and send those rows)")
     if on_air_vocab and on_air_vocab > arr.shape[-1]:
         pad = [(0, 0)] * (arr.ndim - 1) + [(0, on_air_vocab - arr.shape[-1])]
         arr = np.pad(arr, pad)
@@ -171,7 +179,7 @@ def from_wire(arr, vocab_size: int, *, name: str = "distribution", check_padding
     float64 distributions the sender computed from the same wire values (bit-identical)."""
     import numpy as np
 
-    from testbed.sampling import exact_from_wire
+    from testbed.core.sampling import exact_from_wire
 
     arr = np.asarray(arr)
     if arr.shape[-1] < vocab_size:

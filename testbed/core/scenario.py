@@ -7,13 +7,12 @@ Every **Option** of the spec is a field with the spec's default.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from testbed import radio
+from testbed.core import radio
 
 PATH_LOSS_LAWS = ("3gpp_macro", "free_space_2ghz")
 
@@ -30,13 +29,13 @@ class Device(_Strict):
     """One device: its channel (a gain in dB or a distance in m), radio, SLM speed and acceptance."""
 
     name: str = Field(min_length=1)
-    channel_gain_db: Optional[float] = Field(default=None, description="g_k in dB (negative); or distance_m")
-    distance_m: Optional[float] = Field(default=None, gt=0, description="distance to the edge, m")
+    channel_gain_db: float | None = Field(default=None, description="g_k in dB (negative); or distance_m")
+    distance_m: float | None = Field(default=None, gt=0, description="distance to the edge, m")
     max_power_w: float = Field(default=0.2, gt=0, description="P^max_k, W (23 dBm = 0.2 W)")
     draft_time_s: float = Field(gt=0, description="t_k, s per drafted token")
     acceptance: float = Field(gt=0, lt=1, description="alpha_k, per-token acceptance rate")
-    uplink_bandwidth_hz: Optional[float] = Field(default=None, gt=0, description="B^U_k override, Hz")
-    energy_budget_j: Optional[float] = Field(default=None, gt=0, description="per-round UL energy E_k, J")
+    uplink_bandwidth_hz: float | None = Field(default=None, gt=0, description="B^U_k override, Hz")
+    energy_budget_j: float | None = Field(default=None, gt=0, description="per-round UL energy E_k, J")
 
     @model_validator(mode="after")
     def _one_channel(self):
@@ -100,7 +99,7 @@ class Scenario(_Strict):
     verify_batch: Literal["ragged", "padded"] = "ragged"
     dl_access: Literal["fdma_equal_split", "fdma_fixed_split", "tdma"] = "fdma_equal_split"
     rounds: Literal["synchronous", "asynchronous"] = "synchronous"
-    drop: Optional[DropSpec] = Field(default=None, description="random-drop settings for `simulate`")
+    drop: DropSpec | None = Field(default=None, description="random-drop settings for `simulate`")
     devices: list[Device] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -141,7 +140,7 @@ class Scenario(_Strict):
                          for d in self.devices], float)
 
     # ---- rebuilding ----
-    def with_updates(self, **fields: Any) -> "Scenario":
+    def with_updates(self, **fields: Any) -> Scenario:
         """A validated copy with global fields replaced (e.g. downlink_bandwidth_hz=1e7)."""
         data = self.model_dump(exclude_none=True)
         data.update(fields)
@@ -151,7 +150,7 @@ class Scenario(_Strict):
                             acceptance: dict[str, float] | None = None,
                             draft_time_s: dict[str, float] | None = None,
                             channel_gain_db: dict[str, float] | None = None,
-                            clip_acceptance: bool = True) -> "Scenario":
+                            clip_acceptance: bool = True) -> Scenario:
         """A validated copy with per-device fields replaced, keyed by device name.
 
         The live controller calls this each round with online estimates. An acceptance estimate of
@@ -185,32 +184,13 @@ class Scenario(_Strict):
 
     # ---- loading ----
     @classmethod
-    def from_dict(cls, data: Any, source: str = "scenario") -> "Scenario":
+    def from_dict(cls, data: Any, source: str = "scenario") -> Scenario:
         if not isinstance(data, dict):
             raise ScenarioError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             raise ScenarioError(format_validation_error(exc, source)) from None
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "Scenario":
-        import yaml
-
-        p = Path(path)
-        if not p.is_file():
-            raise ScenarioError(f"scenario file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ScenarioError(f"{p}: not valid YAML: {exc}") from None
-        return cls.from_dict(data, source=str(p))
-
-
-def load_scenario(path_or_dict: str | Path | dict) -> Scenario:
-    if isinstance(path_or_dict, dict):
-        return Scenario.from_dict(path_or_dict)
-    return Scenario.from_yaml(path_or_dict)
 
 
 def _loc(loc: tuple) -> str:

@@ -35,6 +35,14 @@ minus the release time; >= 0 in real mode, 0 in virtual mode), ``lead_s`` (relea
 modeled deadline), ``mode``, ``link`` ("ul"/"dl"), ``round``, ``dl_access``, ``marker`` (a tx_start marker
 started the air time). In real mode held_s = queued_s + airtime_s + base_latency_s - lead_s + late_s.
 
+Hardening (a LAN is shared): with a key directory (``keys_dir``, see `testbed.security`) the frontend and the
+control socket are CURVE servers that admit only listed keys, a device's key may only speak under its own
+name, only the ``edge`` client may use the control socket, and the DEALERs to the edge authenticate as
+``channel``. Without keys, a ``control_token`` (passed in the environment, never on the command line) must be
+in every control request. Every message is handled under a guard (a bad one is dropped with one log line),
+identities are capped (least recently used idle ones are closed first) and rate-limited, and a message that
+is not charged waits behind the held messages of its own link, so one link's messages stay in order.
+
 Control (REP at ``control_bind``), JSON requests, JSON replies with ``"ok"``:
     {"type": "configure", "round": r, "dl_access": ..., "base_latency_s": ...,
      "links": {"<device>": {"ul_rate_bps": x | null, "dl_rate_bps": y | null}},   (null: not charged)
@@ -48,23 +56,40 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import hmac
 import itertools
 import json
 import logging
+import os
 import sys
 import time
+from collections import defaultdict
 from typing import Any
 
 import zmq
 
 from channel_emulator import DEFAULT_SPIN_S
 from channel_emulator.checks import DL_ACCESS, finite_number
-from testbed.wire.protocol import TX_START, ProtocolError, annotate_header, decode_header
+from testbed.security import (
+    CHANNEL_CLIENT,
+    EDGE_CLIENT,
+    ClientKeys,
+    ServerKeys,
+    check_identity,
+    make_client,
+    make_server,
+    stop_authenticators,
+)
+from testbed.wire.protocol import TX_START, ProtocolError, annotate_header, decode_header, encode_header
 
 log = logging.getLogger("channel_emulator.proxy")
 
 MODES = ("real", "virtual")
 SHARED_DL = "*tdma*"  # the link key of the one shared DL link under tdma
+TOKEN_ENV = "MULTISPIN_CHANNEL_TOKEN"  # where a parent process hands the control token to the emulator
+MAX_IDENTITIES = 512     # one DEALER (one file descriptor) per identity: stay well below the fd limit
+IDLE_REAP_S = 600.0      # an identity silent this long loses its DEALER
+MAX_MSGS_PER_S = 2000.0  # per identity, averaged over a one-second burst
 
 
 class ConfigError(ValueError):
@@ -101,7 +126,10 @@ def parse_configure(msg: dict) -> dict:
     mode = msg.get("mode")
     if mode is not None and mode not in MODES:
         raise ConfigError(f"mode={mode!r} is invalid; allowed: {', '.join(MODES)}")
-    return {"round": msg.get("round"), "dl_access": dl_access, "base_latency_s": base, "links": out_links,
+    rnd = msg.get("round")
+    if rnd is not None and not (type(rnd) is int and abs(rnd) < 2**53):
+        raise ConfigError(f"round={rnd!r} is invalid; allowed: an integer, or null")
+    return {"round": rnd, "dl_access": dl_access, "base_latency_s": base, "links": out_links,
             "mode": mode, **lead}
 
 
@@ -119,7 +147,10 @@ class _LinkStats:
 
 class ChannelProxy:
     def __init__(self, frontend_bind: str, edge_connect: str, control_bind: str, mode: str = "real",
-                 spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, context: zmq.Context | None = None):
+                 spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, context: zmq.Context | None = None,
+                 keys_dir: str | None = None, control_token: str | None = None,
+                 max_identities: int = MAX_IDENTITIES, idle_reap_s: float = IDLE_REAP_S,
+                 max_msgs_per_s: float = MAX_MSGS_PER_S):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid; allowed: {', '.join(MODES)}")
         if not (0 <= spin_s < 1):
@@ -128,13 +159,22 @@ class ChannelProxy:
         self.edge_connect = edge_connect
         self.ctx = context or zmq.Context()
         self._own_ctx = context is None
+        self.secure = keys_dir is not None
+        server_keys = ServerKeys.load(keys_dir) if keys_dir else None
+        self.edge_keys = ClientKeys.for_name(keys_dir, CHANNEL_CLIENT) if keys_dir else None
+        self.control_token = control_token
+        self.max_identities, self.idle_reap_s = int(max_identities), float(idle_reap_s)
+        self.max_msgs_per_s = float(max_msgs_per_s)
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.frontend.setsockopt(zmq.LINGER, 0)
         self.frontend.setsockopt(zmq.SNDHWM, 0)
         self.frontend.setsockopt(zmq.RCVHWM, 0)
+        self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone device raises, it is not lost silently
+        make_server(self.frontend, server_keys)
         self.frontend.bind(frontend_bind)
         self.control = self.ctx.socket(zmq.REP)
         self.control.setsockopt(zmq.LINGER, 0)
+        make_server(self.control, server_keys)
         self.control.bind(control_bind)
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
@@ -149,7 +189,14 @@ class ChannelProxy:
         self.seq = itertools.count()
         self.stats: dict[tuple[str, str], _LinkStats] = {}
         self.counters = {"passed": 0, "charged": 0, "markers": 0, "stale_markers": 0, "malformed": 0,
-                         "refused_identity": 0, "unconfigured": 0, "unknown_peer": 0}
+                         "refused_identity": 0, "unconfigured": 0, "unknown_peer": 0, "errors": 0,
+                         "impersonation": 0, "identity_cap": 0, "reaped": 0, "rate_limited": 0,
+                         "queued_behind": 0, "control_refused": 0, "undeliverable": 0}
+        self.held_on_link: dict[tuple[str, bytes], int] = defaultdict(int)   # held messages per (dir, device)
+        self.link_release: dict[tuple[str, bytes], float] = {}               # latest held deadline per link
+        self.last_seen: dict[bytes, float] = {}
+        self.allowance: dict[bytes, tuple[float, float]] = {}                # ident -> (tokens, at)
+        self._last_reap = time.monotonic()
         self.running = False
 
     # -- sockets -------------------------------------------------------------------------------------
@@ -162,17 +209,64 @@ class ChannelProxy:
                 self.counters["refused_identity"] += 1
                 log.warning("refusing peer without routing_id (identity %r); devices must set routing_id", ident)
                 return None
+            if len(self.dealers) >= self.max_identities and not self._reap(time.monotonic(), need_one=True):
+                self.counters["identity_cap"] += 1
+                log.warning("refusing identity %r: %d identities are open (cap)", ident, len(self.dealers))
+                return None
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.ROUTING_ID, ident)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            make_client(sock, self.edge_keys)
             sock.connect(self.edge_connect)
             self.dealers[ident] = sock
             self.dealer_ident[sock] = ident
             self.poller.register(sock, zmq.POLLIN)
             log.info("device %r: opened DEALER to %s", ident, self.edge_connect)
         return sock
+
+    def _reap(self, now: float, need_one: bool = False) -> bool:
+        """Close DEALERs of identities idle past `idle_reap_s` (or, with `need_one`, the least recently
+        used idle one) that hold no message. Returns whether one was closed."""
+        idle = sorted((t, i) for i, t in self.last_seen.items()
+                      if i in self.dealers and not self.held_on_link[("ul", i)] and not self.held_on_link[("dl", i)])
+        victims = [i for t, i in idle if now - t > self.idle_reap_s] or ([idle[0][1]] if need_one and idle else [])
+        for ident in victims:
+            sock = self.dealers.pop(ident)
+            self.dealer_ident.pop(sock, None)
+            self.poller.unregister(sock)
+            sock.close(linger=0)
+            self.last_seen.pop(ident, None)
+            self.allowance.pop(ident, None)
+            self.counters["reaped"] += 1
+            log.info("device %r: closed its idle DEALER", ident)
+        return bool(victims)
+
+    def _within_rate(self, ident: bytes, now: float) -> bool:
+        """Token bucket per identity: `max_msgs_per_s`, with a burst of one second's worth."""
+        tokens, at = self.allowance.get(ident, (self.max_msgs_per_s, now))
+        tokens = min(self.max_msgs_per_s, tokens + (now - at) * self.max_msgs_per_s)
+        ok = tokens >= 1.0
+        self.allowance[ident] = (tokens - 1.0 if ok else tokens, now)
+        if not ok:
+            self.counters["rate_limited"] += 1
+            if self.counters["rate_limited"] % 1000 == 1:
+                log.warning("device %r: over %.0f messages/s; dropping", ident, self.max_msgs_per_s)
+        return ok
+
+    def _from_frontend(self, frames: list, t_arr: float) -> None:
+        ident = frames[0].bytes
+        if self.secure and len(frames) > 1:
+            why = check_identity(ident.decode("utf-8", "replace"), frames[1])
+            if why is not None:
+                self.counters["impersonation"] += 1
+                log.warning("dropped a message from identity %r: %s", ident, why)
+                return
+        if not self._within_rate(ident, t_arr):
+            return
+        self.last_seen[ident] = t_arr
+        self._handle("ul", ident, frames[1:], t_arr)
 
     # -- message handling ----------------------------------------------------------------------------
     def _handle(self, direction: str, ident: bytes, body: list, t_arr: float) -> None:
@@ -190,7 +284,12 @@ class ChannelProxy:
                 log.debug("forwarding malformed message from %r unchanged: %s", ident, exc)
         if header is None or header.get("air") not in ("ul", "dl"):
             self.counters["passed"] += 1
-            self._send(direction, ident, body)
+            if self.held_on_link[(direction, ident)]:
+                # Behind a held message of the same link (e.g. the next schedule behind a verdict): keep order.
+                self.counters["queued_behind"] += 1
+                self._hold(self.link_release[(direction, ident)], direction, ident, body, h, t_arr, t_arr, None)
+            else:
+                self._send(direction, ident, body)
             return
         if header["type"] == TX_START:
             self.markers[(direction, ident)] = t_arr
@@ -228,9 +327,21 @@ class ChannelProxy:
         if self.mode == "virtual":
             self._release(direction, ident, body, h, t_arr, ref, deadline, info, virtual=True)
         else:
-            heapq.heappush(self.heap, (deadline, next(self.seq), direction, ident, body, h, t_arr, ref, info))
+            self._hold(deadline, direction, ident, body, h, t_arr, ref, info)
+
+    def _hold(self, deadline, direction, ident, body, h, t_arr, ref, info) -> None:
+        link = (direction, ident)
+        # A link releases in order: never before a message held earlier on it (tdma or a late configure
+        # could otherwise give a later message an earlier deadline).
+        deadline = max(deadline, self.link_release.get(link, deadline)) if self.held_on_link[link] else deadline
+        self.held_on_link[link] += 1
+        self.link_release[link] = deadline
+        heapq.heappush(self.heap, (deadline, next(self.seq), direction, ident, body, h, t_arr, ref, info))
 
     def _release(self, direction, ident, body, h, t_arr, ref, deadline, info, virtual=False) -> None:
+        if info is None:  # an uncharged message that waited behind held ones
+            self._send(direction, ident, body)
+            return
         now = time.monotonic()
         info["held_s"] = now - ref          # from the start of the air time (marker or arrival) to forwarding
         info["late_s"] = 0.0 if virtual else now - deadline  # against the (lead-adjusted) release time
@@ -250,24 +361,51 @@ class ChannelProxy:
         st.late_s_max = max(st.late_s_max, info["late_s"])
 
     def _send(self, direction: str, ident: bytes, body: list) -> None:
-        if direction == "ul":
-            self.dealers[ident].send_multipart(body, copy=False)
-        else:
-            self.frontend.send_multipart([ident, *body], copy=False)
+        try:
+            if direction == "ul":
+                self.dealers[ident].send_multipart(body, copy=False)
+            else:
+                self.frontend.send_multipart([ident, *body], copy=False)
+        except (zmq.ZMQError, KeyError) as exc:  # the device left (or was reaped) meanwhile
+            self.counters["undeliverable"] += 1
+            log.info("could not forward to %r (%s): %s", ident, direction, exc)
 
     def _deliver_due(self) -> None:
         while self.heap and self.heap[0][0] <= time.monotonic():
             deadline, _, direction, ident, body, h, t_arr, ref, info = heapq.heappop(self.heap)
+            self.held_on_link[(direction, ident)] -= 1
             self._release(direction, ident, body, h, t_arr, ref, deadline, info)
 
     # -- control -------------------------------------------------------------------------------------
-    def _control(self, raw: bytes) -> dict:
+    def _control_reply(self, frame: zmq.Frame) -> bytes:
+        """One control request in, one strict-JSON reply out, whatever the request held."""
         try:
-            msg = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return {"ok": False, "error": f"control request is not JSON: {exc}"}
-        if not isinstance(msg, dict):
-            return {"ok": False, "error": "control request is not a JSON object"}
+            reply = self._control(frame)
+        except Exception as exc:  # noqa: BLE001 - no request may stop the emulator but `stop`
+            self.counters["errors"] += 1
+            log.warning("control request failed: %s: %s", type(exc).__name__, exc)
+            reply = {"ok": False, "error": f"internal error handling the request: {type(exc).__name__}"}
+        try:
+            return json.dumps(reply, allow_nan=False).encode()
+        except ValueError:
+            return b'{"ok": false, "error": "reply not encodable"}'
+
+    def _control(self, frame: zmq.Frame) -> dict:
+        if self.secure:
+            who = check_identity(EDGE_CLIENT, frame)
+            if who is not None:
+                self.counters["control_refused"] += 1
+                log.warning("refused a control request: %s", who)
+                return {"ok": False, "error": "only the edge may use the control socket"}
+        try:
+            msg = decode_header(frame.bytes)
+        except ProtocolError as exc:
+            return {"ok": False, "error": f"control request is not JSON (strict, versioned): {exc}"}
+        if self.control_token is not None and not hmac.compare_digest(
+                str(msg.get("token", "")).encode(), self.control_token.encode()):
+            self.counters["control_refused"] += 1
+            log.warning("refused a control request without the right token")
+            return {"ok": False, "error": "control request refused: missing or wrong token"}
         kind = msg.get("type")
         if kind == "configure":
             try:
@@ -291,7 +429,7 @@ class ChannelProxy:
         if kind == "stop":
             self.running = False
             return {"ok": True}
-        return {"ok": False, "error": f"type={kind!r} is invalid; allowed: configure, stats, stop"}
+        return {"ok": False, "error": f"type={str(kind)[:40]!r} is invalid; allowed: configure, stats, stop"}
 
     # -- loop ----------------------------------------------------------------------------------------
     def _timeout_ms(self) -> int:
@@ -315,38 +453,55 @@ class ChannelProxy:
                             break
                         t_arr = time.monotonic()
                         if sock is self.control:
-                            self.control.send(json.dumps(self._control(frames[0].bytes)).encode())
+                            self.control.send(self._control_reply(frames[0]))
                             break
-                        if sock is self.frontend:
-                            self._handle("ul", frames[0].bytes, frames[1:], t_arr)
-                        else:
-                            self._handle("dl", self.dealer_ident[sock], frames, t_arr)
+                        self._guarded(sock, frames, t_arr)
                         self._deliver_due()
+                if time.monotonic() - self._last_reap > 10.0:
+                    self._last_reap = time.monotonic()
+                    self._reap(self._last_reap)
         finally:
             self.close()
+
+    def _guarded(self, sock: zmq.Socket, frames: list, t_arr: float) -> None:
+        """Handle one message; whatever it holds, the emulator keeps serving (one log line per failure)."""
+        try:
+            if sock is self.frontend:
+                self._from_frontend(frames, t_arr)
+            elif sock in self.dealer_ident:
+                self._handle("dl", self.dealer_ident[sock], frames, t_arr)
+        except Exception as exc:  # noqa: BLE001 - a message must never stop the emulator
+            self.counters["errors"] += 1
+            log.warning("dropped a message that failed to forward: %s: %s", type(exc).__name__, exc)
 
     def close(self) -> None:
         for sock in [self.frontend, self.control, *self.dealers.values()]:
             sock.close(linger=0)
         if self._own_ctx:
+            stop_authenticators(self.ctx)
             self.ctx.term()
 
 
 def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: str = "real",
-              spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, log_level: str | None = None) -> None:
-    """Blocking: serve until a ``stop`` control request. Usable as a multiprocessing/subprocess target."""
+              spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, log_level: str | None = None,
+              keys_dir: str | None = None, control_token: str | None = None) -> None:
+    """Blocking: serve until a ``stop`` control request. Usable as a multiprocessing/subprocess target.
+    The control token defaults to the environment's ``MULTISPIN_CHANNEL_TOKEN`` (unset: none required)."""
     if log_level:
         logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = control_token if control_token is not None else os.environ.get(TOKEN_ENV) or None
     ChannelProxy(frontend_bind, edge_connect, control_bind, mode=mode, spin_s=spin_s,
-                 marker_ttl_s=marker_ttl_s).run()
+                 marker_ttl_s=marker_ttl_s, keys_dir=keys_dir, control_token=token).run()
 
 
 class ChannelControl:
     """Client of the emulator's control socket (REQ with a timeout; the socket is rebuilt after one)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None):
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None,
+                 keys: ClientKeys | None = None, token: str | None = None):
         self.endpoint, self.timeout_ms = endpoint, int(timeout_s * 1000)
         self.ctx = context or zmq.Context.instance()
+        self.keys, self.token = keys, token
         self.sock = None
         self._connect()
 
@@ -357,11 +512,14 @@ class ChannelControl:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
         self.sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+        make_client(self.sock, self.keys)
         self.sock.connect(self.endpoint)
 
     def request(self, msg: dict) -> dict:
+        if self.token is not None:
+            msg = {**msg, "token": self.token}
         try:
-            self.sock.send(json.dumps(msg).encode())
+            self.sock.send(encode_header(msg))  # versioned, strict JSON (a NaN is refused here, not there)
             reply = json.loads(self.sock.recv())
         except zmq.Again:
             self._connect()  # a REQ socket is stuck after a lost reply ("lazy pirate")
@@ -399,6 +557,8 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--mode", choices=MODES, default="real", help="real: hold messages; virtual: annotate only")
     p.add_argument("--spin-s", type=float, default=DEFAULT_SPIN_S, help="busy-wait window before a deadline (s)")
     p.add_argument("--marker-ttl-s", type=float, default=5.0, help="ignore tx_start markers older than this")
+    p.add_argument("--keys", default=None,
+                   help="key directory (multispin keys generate): CURVE on the frontend, control and edge links")
     return p
 
 
@@ -406,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_proxy(args.frontend, args.edge, args.control, mode=args.mode, spin_s=args.spin_s,
-              marker_ttl_s=args.marker_ttl_s)
+              marker_ttl_s=args.marker_ttl_s, keys_dir=args.keys)
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from channel_emulator.checks import DL_ACCESS, finite_number
-from testbed.core import radio
+from testbed.core import model, radio
 
 MODES = ("UL", "DL")
 
@@ -45,6 +45,7 @@ def link_rates(gains_db: dict[str, float], schedule: dict[str, dict], *, dl_acce
             raise ValueError(f"rates: schedule[{name!r}].mode={s.get('mode')!r} is invalid; allowed: UL, DL")
     n_dl = sum(1 for s in schedule.values() if s["mode"] == "DL")
     b_dl = _num("dl_bandwidth_hz", dl_bandwidth_hz)
+    w = float(model.dl_bandwidth_split(dl_access, b_dl, n_dl, len(schedule)))  # the band of each DL receiver
     out: dict[str, dict[str, float | None]] = {}
     for name, s in schedule.items():
         g = radio.db_to_linear(float(gains_db[name]))
@@ -54,11 +55,9 @@ def link_rates(gains_db: dict[str, float], schedule: dict[str, dict], *, dl_acce
         ul = float(radio.shannon_rate_bps(b_ul, p_ul, g, noise_w_hz))
         dl: float | None = reply_rate_bps
         if dl_access == "fdma_fixed_split":
-            w = b_dl / len(schedule)
             p_dl = s.get("dl_power_w", dl_total_power_w / len(schedule))
             dl = float(radio.shannon_rate_bps(w, _num(f"schedule[{name!r}].dl_power_w", p_dl), g, noise_w_hz))
         elif s["mode"] == "DL":
-            w = b_dl / n_dl if dl_access == "fdma_equal_split" else b_dl
             default_p = dl_total_power_w / n_dl if dl_access == "fdma_equal_split" else dl_total_power_w
             p_dl = _num(f"schedule[{name!r}].dl_power_w", s.get("dl_power_w", default_p))
             dl = float(radio.shannon_rate_bps(w, p_dl, g, noise_w_hz))

@@ -1,37 +1,54 @@
-"""Channel state: the power gain g_k (dB) of every device per round, modeled or measured.
+"""Channel state: the power gain g_k (dB) of every device per round, modeled, replayed or measured.
 
 Sources (``cfg["source"]``):
 - ``model``: path loss (``testbed.core.radio.path_loss_db``) + log-normal shadowing (sigma dB, one draw per
   device) + Rayleigh block fading (exponential power gain, redrawn per round) + mobility (distance over
   time). Every draw is seeded by (seed, device name[, round]) so results do not depend on query order.
-- ``trace``: an SNR trace CSV ``time_s,device,snr_db`` replayed by time (nearest earlier sample) or by
-  round index.
-- ``live``: the latest SNR a device reported (``report_live``); devices may read it with
-  ``ProcNetWirelessReader`` on Linux hosts with a wireless interface.
+- ``trace``: replayed files (formats in `channel_emulator.traces`). ``trace.path``: one SNR CSV
+  ``time_s,device,snr_db`` for every device; ``trace.devices``: per device (or ``'*'`` for the others) an
+  ``snr`` trace and/or ``ul`` and ``dl`` rate traces (a path, or ``{path, format, column, ...}``).
+  ``trace.index``: ``time`` (the sample at or before the round's wall time) or ``round`` (the round-th
+  sample); ``trace.loop``: wrap at the end, or hold the last value (default: Mahimahi wraps, others
+  hold). An SNR trace gives the gain, so the rate follows the planned power; a rate trace fixes the
+  rate (`rate_override_bps`, `fixed_rates`): power control then has no effect on that link. A device
+  with a UL rate trace and no SNR trace gets the gain whose Shannon UL rate at its reference power is
+  the trace's rate (`rate_to_gain_db`).
+- ``live``: the latest SNR a device reported (`report_live`; device side: ``device_node.link_probe``).
+  ``live.max_age_s`` (default null: never stale) and ``live.fallback`` for a device with no fresh reading:
+  ``model`` (default: the mean path loss from ``distance_m``), ``last`` (the last reading, however old),
+  ``drop`` (left out of this round's gains). `live_used` records, per round, which value was used.
 
-SNR <-> gain: snr = p g / (N0 B), with p and B the reference power and bandwidth of the measurement: per
-device ``max_power_w`` (or ``max_power_dbm``) and ``ul_bandwidth_hz`` (or ``uplink_bandwidth_hz``), else
+SNR <-> gain: snr = p g / (N0 B), i.e. g_dB = snr_dB - p_dBW + 10 log10(N0 B), with p the device's
+transmit power the SNR refers to and B its UL bandwidth: per device ``max_power_w`` (or
+``max_power_dbm``) and ``ul_bandwidth_hz`` (or ``uplink_bandwidth_hz``), else
 ``cfg["snr_reference"] = {"power_dbm": 23, "bandwidth_hz": 1e6}``; N0 from ``noise_psd_dbm_hz`` (-174) and
-``noise_figure_db`` (0) in cfg.
+``noise_figure_db`` (0) in cfg. A live reading with ``signal_dbm`` and ``noise_dbm`` but no ``snr_db``
+uses snr_dB = signal_dBm - noise_dBm. The model then predicts the measured SNR at that power and
+bandwidth, and scales it with the power the optimizer picks.
 """
-
 from __future__ import annotations
 
-import csv
 import math
 import zlib
 from bisect import bisect_right
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from channel_emulator.traces import Series, TraceError, detect_format, load_entry, load_snr_csv
+from testbed import PROFILES_DIR
 from testbed.core import radio
 
 SOURCES = ("model", "trace", "live")
 FADING = ("rayleigh", "none")
 MOBILITY = ("none", "linear", "random_waypoint")
 TRACE_INDEX = ("time", "round")
+TRACE_KEYS = {"path", "index", "loop", "devices", "base_dir", "min_rate_bps"}
+ROLES = ("snr", "ul", "dl")
+LIVE_FALLBACK = ("model", "last", "drop")
 
 
 def _bad(field: str, value: Any, allowed: str) -> ValueError:
@@ -135,53 +152,91 @@ class ModelSource:
 
 def load_snr_trace(path: str | Path) -> dict[str, list[tuple[float, float]]]:
     """Read ``time_s,device,snr_db`` (header required; ``time`` accepted for ``time_s``)."""
-    path = Path(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise ValueError(f"channel config: trace.path={str(path)!r} is not a readable file")
-    out: dict[str, list[tuple[float, float]]] = {}
-    with path.open(newline="") as fh:
-        reader = csv.DictReader(fh)
-        cols = set(reader.fieldnames or [])
-        tcol = "time_s" if "time_s" in cols else "time"
-        if not {tcol, "device", "snr_db"} <= cols:
-            raise ValueError(f"SNR trace {path}: columns {sorted(cols)}; required: time_s (or time), device, snr_db")
-        for lineno, row in enumerate(reader, start=2):
-            try:
-                t, snr = float(row[tcol]), float(row["snr_db"])
-            except (TypeError, ValueError):
-                raise ValueError(f"SNR trace {path}:{lineno}: time/snr_db not numbers: {row}") from None
-            if not (math.isfinite(t) and math.isfinite(snr)):
-                raise ValueError(f"SNR trace {path}:{lineno}: non-finite value: {row}")
-            out.setdefault(row["device"], []).append((t, snr))
-    for samples in out.values():
-        samples.sort()
-    return out
+    return {dev: list(zip(s.times_s.tolist(), s.values.tolist())) for dev, s in load_snr_csv(path).items()}
+
+
+def _resolve(path: str, base_dir: str | None, field: str) -> str:
+    """A trace path as given, else relative to ``trace.base_dir``, else to the shipped profiles folder (so
+    ``traces/example-ar1-6mbps.up`` names a packaged example)."""
+    p = Path(path)
+    if p.is_absolute():
+        return str(p)
+    looked = ([Path(base_dir) / p] if base_dir else []) + [p, PROFILES_DIR / p]
+    for cand in looked:
+        if cand.is_file():
+            return str(cand)
+    raise TraceError(f"channel config: {field}={path!r} not found; looked in {[str(c) for c in looked]}")
 
 
 class TraceSource:
+    """Replayed traces: per device an SNR series (-> gain) and/or UL and DL rate series (-> fixed rates)."""
+
     def __init__(self, cfg: dict, devices: list[dict]):
-        tcfg = cfg.get("trace") or {}
-        if "path" not in tcfg:
-            raise _bad("trace.path", None, "a CSV file with columns time_s,device,snr_db")
+        tcfg = dict(cfg.get("trace") or {})
+        unknown = sorted(set(tcfg) - TRACE_KEYS)
+        if unknown:
+            raise _bad("trace", sorted(tcfg), f"keys among {sorted(TRACE_KEYS)} (unknown: {unknown})")
+        if "path" not in tcfg and not tcfg.get("devices"):
+            raise _bad("trace.path", None, "a CSV file with columns time_s,device,snr_db, or trace.devices "
+                                           "with per-device ul / dl / snr traces")
         self.index = tcfg.get("index", "time")
         if self.index not in TRACE_INDEX:
             raise _bad("trace.index", self.index, ", ".join(TRACE_INDEX))
-        self.samples = load_snr_trace(tcfg["path"])
-        missing = [d["name"] for d in devices if d["name"] not in self.samples]
-        if missing:
-            raise ValueError(f"SNR trace {tcfg['path']}: no samples for devices {missing}; "
-                             f"it has {sorted(self.samples)}")
-        self._times = {k: [t for t, _ in v] for k, v in self.samples.items()}
+        self.loop = tcfg.get("loop")  # None: each trace's own default (Mahimahi wraps, the others hold)
+        if self.loop is not None and not isinstance(self.loop, bool):
+            raise _bad("trace.loop", self.loop, "true, false, or left out (Mahimahi wraps, others hold)")
+        base = tcfg.get("base_dir")
+        names = [d["name"] for d in devices]
+        self.series: dict[str, dict[str, Series]] = {n: {} for n in names}
+        if "path" in tcfg:
+            path = _resolve(str(tcfg["path"]), base, "trace.path")
+            per_dev = load_snr_csv(path)
+            if not tcfg.get("devices"):  # the original form: one SNR file that must cover every device
+                missing = [n for n in names if n not in per_dev]
+                if missing:
+                    raise ValueError(f"SNR trace {tcfg['path']}: no samples for devices {missing}; "
+                                     f"it has {sorted(per_dev)}")
+            for n in names:
+                if n in per_dev:
+                    self.series[n]["snr"] = per_dev[n]
+        dcfg = tcfg.get("devices") or {}
+        if not isinstance(dcfg, dict):
+            raise _bad("trace.devices", dcfg, "a mapping device name (or '*') -> {ul, dl, snr}")
+        strangers = sorted(set(dcfg) - set(names) - {"*"})
+        if strangers:
+            raise _bad("trace.devices", strangers, f"names of devices ({names}) or '*' for every other device")
+        cache: dict[str, Series] = {}
+        for n in names:
+            key = n if n in dcfg else "*"
+            entries = dcfg.get(key) or {}
+            if not isinstance(entries, dict) or set(entries) - set(ROLES):
+                raise _bad(f"trace.devices[{key}]", entries, "a mapping with keys among ul, dl, snr")
+            for role, entry in entries.items():
+                field = f"trace.devices[{key}].{role}"
+                spec = {"path": entry} if isinstance(entry, str) else dict(entry or {})
+                if "path" in spec:
+                    spec["path"] = _resolve(str(spec["path"]), base, f"{field}.path")
+                    spec.setdefault("format", detect_format(spec["path"]))
+                # An SNR CSV holds every device's rows: without 'device' each device reads its own.
+                per_device = spec.get("format") == "snr_csv" and "device" not in spec
+                memo = repr((role, sorted(spec.items()), n if per_device else None))
+                if memo not in cache:  # '*' entries are read once, not once per device
+                    cache[memo] = load_entry(spec, role, n, field)
+                self.series[n][role] = cache[memo]
 
-    def snr_db(self, name: str, round_index: int, t_s: float) -> float:
-        samples = self.samples[name]
-        if self.index == "round":
-            return samples[min(int(round_index), len(samples) - 1)][1]  # past the end: hold the last
-        i = bisect_right(self._times[name], t_s) - 1
-        if i < 0:
-            raise ValueError(f"SNR trace: t_s={t_s} is before the first sample of {name!r} "
-                             f"(t={samples[0][0]}); allowed: t_s >= that")
-        return samples[i][1]
+    def _value(self, s: Series, round_index: int, t_s: float) -> float:
+        loop = s.wraps if self.loop is None else self.loop
+        return s.at_index(round_index, loop) if self.index == "round" else s.at_time(t_s, loop)
+
+    def snr_db(self, name: str, round_index: int, t_s: float) -> float | None:
+        s = self.series[name].get("snr")
+        return None if s is None else self._value(s, round_index, t_s)
+
+    def rate_bps(self, name: str, direction: str, round_index: int, t_s: float) -> float | None:
+        s = self.series[name].get(direction)
+        return None if s is None else self._value(s, round_index, t_s)
 
 
 class ProcNetWirelessReader:
@@ -210,14 +265,41 @@ class ProcNetWirelessReader:
         raise RuntimeError(f"{self.path}: no wireless interface {which} listed")
 
 
+
+@dataclass(frozen=True)
+class LiveReading:
+    """An SNR a device reported, stamped on the state's clock (the ``t_s`` of `ChannelState.gains_db`)."""
+
+    snr_db: float
+    t_s: float
+    probe: str | None
+
+
+def _field(m: Any, key: str) -> Any:
+    return m.get(key) if isinstance(m, Mapping) else getattr(m, key, None)
+
+
+def _finite(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
 class ChannelState:
-    """Per-round channel gains in dB for every device."""
+    """Per-round channel gains in dB for every device, and for trace-driven links the fixed rates."""
 
     def __init__(self, source: str, devices: list[dict], impl, noise_w_hz: float,
-                 snr_ref: dict[str, tuple[float, float]], fallback: ModelSource | None = None):
+                 snr_ref: dict[str, tuple[float, float]], fallback: ModelSource | None = None, *,
+                 live_max_age_s: float | None = None, live_fallback: str = "model", min_rate_bps: float = 1e4):
         self.source, self.devices, self._impl = source, [d["name"] for d in devices], impl
         self.noise_w_hz, self._snr_ref, self._fallback = noise_w_hz, snr_ref, fallback
-        self._live: dict[str, float] = {}
+        self.live_max_age_s, self.live_fallback, self.min_rate_bps = live_max_age_s, live_fallback, min_rate_bps
+        self._live: dict[str, LiveReading] = {}
+        self._live_errors: dict[str, str] = {}
+        self._live_used: dict[str, dict] = {}
+        self._last_t_s = 0.0
 
     @classmethod
     def from_config(cls, cfg: dict, devices: list[dict]) -> ChannelState:
@@ -242,16 +324,36 @@ class ChannelState:
             if not bw > 0:
                 raise _bad(f"devices[{d['name']}].ul_bandwidth_hz", bw, "a bandwidth in Hz > 0")
             snr_ref[d["name"]] = (p_dbm, bw)
+        live = dict(cfg.get("live") or {})
+        if set(live) - {"max_age_s", "fallback"}:
+            raise _bad("live", sorted(live), "keys among max_age_s, fallback")
+        max_age = live.get("max_age_s")
+        if max_age is not None and not (_finite(max_age) is not None and float(max_age) > 0):
+            raise _bad("live.max_age_s", max_age, "a duration in s > 0, or null (a reading never goes stale)")
+        live_fallback = live.get("fallback", "model")
+        if live_fallback not in LIVE_FALLBACK:
+            raise _bad("live.fallback", live_fallback, ", ".join(LIVE_FALLBACK))
+        min_rate = (cfg.get("trace") or {}).get("min_rate_bps", 1e4) if source == "trace" else 1e4
+        if _finite(min_rate) is None or float(min_rate) <= 0:
+            raise _bad("trace.min_rate_bps", min_rate, "a rate in bit/s > 0 (the floor of a replayed rate)")
         fallback = None
+        placed = [d for d in devices if d.get("distance_m")]
+        if placed and source != "model":
+            # The mean path loss (no fading, no shadowing) stands in where no reading or trace gives a gain.
+            fallback = ModelSource({**cfg, "fading": "none", "shadowing_sigma_db": 0.0}, placed)
         if source == "model":
             impl = ModelSource(cfg, devices)
         elif source == "trace":
             impl = TraceSource(cfg, devices)
+            blind = [n for n in names if not {"snr", "ul"} & set(impl.series[n])
+                     and not (fallback and n in fallback.mobility)]
+            if blind:
+                raise ValueError(f"trace channel: devices {blind} have neither an snr nor a ul trace, nor a "
+                                 "distance_m to fall back on; give them a trace or a distance")
         else:
             impl = None
-            if all(d.get("distance_m") for d in devices):
-                fallback = ModelSource({**cfg, "fading": "none", "shadowing_sigma_db": 0.0}, devices)
-        return cls(source, devices, impl, noise, snr_ref, fallback)
+        return cls(source, devices, impl, noise, snr_ref, fallback, live_max_age_s=None if max_age is None
+                   else float(max_age), live_fallback=live_fallback, min_rate_bps=float(min_rate))
 
     def snr_to_gain_db(self, name: str, snr_db: float) -> float:
         # snr = p g / (N0 B)  =>  g_dB = snr_dB - p_dBW + 10 log10(N0 B)
@@ -262,24 +364,109 @@ class ChannelState:
         p_dbm, bw = self._snr_ref[name]
         return gain_db + (p_dbm - 30.0) - radio.linear_to_db(self.noise_w_hz * bw)
 
-    def report_live(self, name: str, snr_db: float) -> None:
+    def rate_to_gain_db(self, name: str, rate_bps: float) -> float:
+        """The gain whose Shannon UL rate at the reference power and bandwidth is ``rate_bps``:
+        snr = 2^(r / B) - 1, then `snr_to_gain_db`."""
+        _, bw = self._snr_ref[name]
+        snr = math.expm1(min(rate_bps / bw, 1000.0) * math.log(2.0))  # capped: 2^1000 is far past any real link
+        return self.snr_to_gain_db(name, radio.linear_to_db(max(snr, 1e-30)))
+
+    # -- live readings -----------------------------------------------------------------------------
+    def report_live(self, name: str, measurement: Any, t_s: float | None = None) -> bool:
+        """Store a device's reading: an SNR in dB (a number), or a measurement with ``snr_db`` (or
+        ``signal_dbm`` and ``noise_dbm``) and ``source`` fields (a mapping or an object such as
+        ``device_node.link_probe.LinkMeasurement``). ``t_s``: when it was measured, on this state's clock
+        (the edge converts the device's reported age); None = the latest ``t_s`` given to `gains_db`.
+
+        A measurement without a usable SNR (a failed probe) is kept as an error and returns False; the
+        previous reading stays. A bare number that is not finite raises ValueError, as does an unknown name.
+        """
         if name not in self._snr_ref:
             raise ValueError(f"report_live: device {name!r} unknown; allowed: {self.devices}")
-        if not math.isfinite(float(snr_db)):
-            raise ValueError(f"report_live: snr_db={snr_db!r} for {name!r}; allowed: a finite number")
-        self._live[name] = float(snr_db)
+        when = self._last_t_s if t_s is None else float(t_s)
+        if isinstance(measurement, (int, float)) and not isinstance(measurement, bool):
+            if not math.isfinite(float(measurement)):
+                raise ValueError(f"report_live: snr_db={measurement!r} for {name!r}; allowed: a finite number")
+            self._live[name] = LiveReading(float(measurement), when, None)
+            return True
+        snr = _finite(_field(measurement, "snr_db"))
+        if snr is None:
+            sig, noise = _finite(_field(measurement, "signal_dbm")), _finite(_field(measurement, "noise_dbm"))
+            snr = None if sig is None or noise is None else sig - noise
+        if snr is None:
+            self._live_errors[name] = str(_field(measurement, "error") or "the measurement carries no SNR")
+            return False
+        self._live[name] = LiveReading(snr, when, _field(measurement, "source"))
+        self._live_errors.pop(name, None)
+        return True
+
+    def live_used(self, name: str) -> dict | None:
+        """What the last `gains_db` call used for a device (live source): ``value`` (SNR dB, None when
+        dropped), ``age_s`` of the reading (None without one), ``source`` (``live``: a fresh reading;
+        ``last``: a stale one kept by ``fallback: last``; ``model``: path loss; ``drop``: left out),
+        ``probe`` (the reading's probe), ``round`` and the last probe ``error`` if any."""
+        return self._live_used.get(name)
+
+    # -- per round ---------------------------------------------------------------------------------
+    def _live_gain(self, name: str, round_index: int, t_s: float) -> float | None:
+        reading = self._live.get(name)
+        age = None if reading is None else max(0.0, t_s - reading.t_s)
+        fresh = reading is not None and (self.live_max_age_s is None or age <= self.live_max_age_s)
+        used = {"round": int(round_index), "age_s": age, "probe": reading.probe if reading else None,
+                "error": self._live_errors.get(name)}
+        gain = None
+        if reading is not None and (fresh or self.live_fallback == "last"):
+            used.update(value=reading.snr_db, source="live" if fresh else "last")
+            gain = self.snr_to_gain_db(name, reading.snr_db)
+        elif self.live_fallback == "drop":
+            used.update(value=None, source="drop")
+        elif self._fallback is not None and name in self._fallback.mobility:
+            gain = self._fallback.gain_db(name, round_index, t_s)  # path loss until a fresh reading comes
+            used.update(value=self.gain_to_snr_db(name, gain), source="model")
+        else:
+            why = "no SNR reported yet" if reading is None else f"its reading is {age:.3g} s old"
+            raise ValueError(f"live channel: {why} for {name!r} and no distance_m to fall back on")
+        self._live_used[name] = used
+        return gain
 
     def gains_db(self, round_index: int, t_s: float) -> dict[str, float]:
+        """Gain (dB) per device for this round. With ``source: live`` and ``fallback: drop``, a device
+        without a fresh reading is left out of the result."""
+        self._last_t_s = float(t_s)
         out = {}
         for name in self.devices:
             if self.source == "model":
                 out[name] = self._impl.gain_db(name, round_index, t_s)
             elif self.source == "trace":
-                out[name] = self.snr_to_gain_db(name, self._impl.snr_db(name, round_index, t_s))
-            elif name in self._live:
-                out[name] = self.snr_to_gain_db(name, self._live[name])
-            elif self._fallback is not None:
-                out[name] = self._fallback.gain_db(name, round_index, t_s)  # path loss until a reading comes
+                snr = self._impl.snr_db(name, round_index, t_s)
+                ul = self._impl.rate_bps(name, "ul", round_index, t_s)
+                if snr is not None:
+                    out[name] = self.snr_to_gain_db(name, snr)
+                elif ul is not None:  # the gain that gives the trace's UL rate at the reference power
+                    out[name] = self.rate_to_gain_db(name, max(ul, self.min_rate_bps))
+                else:
+                    out[name] = self._fallback.gain_db(name, round_index, t_s)
             else:
-                raise ValueError(f"live channel: no SNR reported yet for {name!r} and no distance_m to fall back on")
+                g = self._live_gain(name, round_index, t_s)
+                if g is not None:
+                    out[name] = g
+        return out
+
+    @property
+    def fixed_rates(self) -> dict[str, dict[str, bool]]:
+        """Per device and direction: True where a rate trace fixes the rate (power control has no effect)."""
+        series = self._impl.series if self.source == "trace" else {}
+        return {n: {d: d in series.get(n, {}) for d in ("ul", "dl")} for n in self.devices}
+
+    def rate_override_bps(self, round_index: int, t_s: float) -> dict[str, dict[str, float | None]]:
+        """Per device ``{"ul": bit/s or None, "dl": bit/s or None}``: the replayed rate where a rate trace
+        fixes it (floored at ``trace.min_rate_bps``, default 10 kbit/s, so that an outage is a long air
+        time, not a division by zero), None where the rate follows from the gain and the planned power."""
+        out: dict[str, dict[str, float | None]] = {}
+        for n in self.devices:
+            out[n] = {"ul": None, "dl": None}
+            if self.source == "trace":
+                for d in ("ul", "dl"):
+                    r = self._impl.rate_bps(n, d, round_index, t_s)
+                    out[n][d] = None if r is None else max(r, self.min_rate_bps)
         return out

@@ -5,7 +5,8 @@ outputs logits, present_key_i, present_value_i). Cache bookkeeping:
   committed context = tokens in the cache + `pending` tokens not fed yet (the prompt at first, later the
   round's correction/bonus token, and the last draft when all drafts were accepted).
 `draft` feeds the pending tokens and then each draft token but the last; `commit` slices the cache back to
-the accepted prefix, so a rejected round costs no recomputation.
+the accepted prefix, so a rejected round costs no recomputation. `OnnxDrafter` is a `Drafter`
+(`device_node.drafting`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from device_node.drafting import Draft
 from testbed.core.sampling import WIRE_DTYPES, SamplingParams, exact_from_wire, sample_from, to_probs, to_wire_precision
 
 
 class OnnxDrafter:
+    """The `Drafter` of a device: an ONNX causal LM with a KV cache under onnxruntime (CPU).
+
+    `last_logits` (n, V) keeps the raw logits of the last draft, for checks against PyTorch.
+    """
+
     def __init__(self, onnx_path, *, threads: int = 1) -> None:
         path = Path(onnx_path)
         if not path.is_file():
@@ -30,7 +37,10 @@ class OnnxDrafter:
         opts.intra_op_num_threads = int(threads)
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        self.session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime's own types (InvalidProtobuf, Fail, ...) derive from Exception only
+            raise ValueError(f"{path}: not a loadable ONNX model: {exc}") from None
         inputs = {i.name: i for i in self.session.get_inputs()}
         for required in ("input_ids", "position_ids", "past_key_0", "past_value_0"):
             if required not in inputs:
@@ -47,7 +57,6 @@ class OnnxDrafter:
         self._cache, self._cached, self._pending, self._context = self._empty_cache(), [], [], []
         self._last_drafts: list[int] | None = None
         self.last_logits: np.ndarray | None = None
-        self.last_wire: np.ndarray | None = None  # wire rows of the last draft(wire_bits=...), for the upload
 
     def _empty_cache(self) -> list[np.ndarray]:
         return [np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32) for _ in self._past_names]
@@ -71,7 +80,6 @@ class OnnxDrafter:
         self._context = list(ids)  # all committed tokens
         self._last_drafts: list[int] | None = None
         self.last_logits: np.ndarray | None = None
-        self.last_wire: np.ndarray | None = None
 
     @property
     def context(self) -> list[int]:
@@ -100,11 +108,11 @@ class OnnxDrafter:
 
     # -- drafting ----------------------------------------------------------------------------------------
     def draft(self, n: int, params: SamplingParams, rng: np.random.Generator, *,
-              wire_bits: int | None = None) -> tuple[list[int], np.ndarray]:
-        """Sample n draft tokens; returns them and q (n, V), the rows they were sampled from.
+              wire_bits: int | None = None) -> Draft:
+        """Sample n draft tokens; returns them with q (n, V), the rows they were sampled from.
 
-        Without `wire_bits`: q is float32 `to_probs` of the logits. With it: each row is cast to the wire
-        precision (kept in `last_wire` for the upload) and q = exact_from_wire of it (float64), which is
+        Without `wire_bits`: q is float32 `to_probs` of the logits and `wire` is None. With it: each row is
+        cast to the wire precision (`wire`, for the upload) and q = exact_from_wire of it (float64), which is
         what the edge reconstructs from those bytes, so the token is sampled from the very q it verifies.
         """
         if int(n) != n or n < 1:
@@ -119,7 +127,6 @@ class OnnxDrafter:
         tokens: list[int] = []
         q_rows = np.empty((n, self.vocab_size), np.float32 if wire_bits is None else np.float64)
         wire = None if wire_bits is None else np.empty((n, self.vocab_size), WIRE_DTYPES[wire_bits])
-        self.last_wire = None
         logits = self._feed(self._pending)[-1]
         self._pending = []
         for i in range(n):
@@ -134,23 +141,22 @@ class OnnxDrafter:
                 logits = self._feed([tokens[-1]])[-1]
         self._last_drafts = tokens
         self.last_logits = np.stack(logits_rows)
-        self.last_wire = wire
-        return tokens, q_rows
+        return Draft(tokens, q_rows, wire)
 
-    def commit(self, n_accepted: int, next_token: int) -> None:
-        """Keep context + the first n_accepted drafts, then append next_token (fed at the next draft)."""
+    def commit(self, n_accepted: int, token: int) -> None:
+        """Keep context + the first n_accepted drafts, then append token (fed at the next draft)."""
         drafts = self._last_drafts
         if drafts is None:
             raise RuntimeError("commit() without a preceding draft()")
         if int(n_accepted) != n_accepted or not 0 <= n_accepted <= len(drafts):
             raise ValueError(f"n_accepted={n_accepted!r}: must be in 0..{len(drafts)}")
-        self._check_ids("next_token", [int(next_token)])
+        self._check_ids("token", [int(token)])
         base = len(self._cached) - (len(drafts) - 1)  # cache length before the drafts were fed
         keep = base + min(n_accepted, len(drafts) - 1)
         self._cache = [c[:, :, :keep, :] for c in self._cache]
         del self._cached[keep:]
-        self._pending = drafts[len(self._cached) - base:n_accepted] + [int(next_token)]
-        self._context.extend(drafts[:n_accepted] + [int(next_token)])
+        self._pending = drafts[len(self._cached) - base:n_accepted] + [int(token)]
+        self._context.extend(drafts[:n_accepted] + [int(token)])
         self._last_drafts = None
 
     def logits_trace(self, tokens: list[int]) -> np.ndarray:

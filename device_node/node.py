@@ -5,7 +5,17 @@ numpy, onnxruntime, pyzmq and pyyaml only: this module must never import torch (
 
 Run: ``python -m device_node.node --connect tcp://HOST:PORT --name dev0 --draft draft.onnx [--hardware phone]``
 (or ``multispin device ...``). The edge sends the prompt ids, the seed and the sampling parameters at
-registration; the device has no tokenizer.
+registration; the device has no tokenizer. The process exits with an `ExitCode` (device_node.options).
+
+Robustness (a LAN is shared, edges restart):
+- every received message is handled under a guard, decoding included: a bad one costs one log line and is
+  dropped; the device keeps serving;
+- registration is resent with backoff until ``register_timeout_s``, each time on a fresh socket (the "Lazy
+  Pirate" pattern: a DEALER whose peer vanished keeps queueing, a new one starts clean);
+- when the edge announces heartbeats (``registered.heartbeat_s``), the device sends a `heartbeat` whenever
+  it sent nothing for that period, and leaves with `ExitCode.EDGE_GONE` when the edge was silent for
+  ``liveness`` periods; with ``reconnect`` it reopens the socket and registers again until the edge returns;
+- with client keys (``--keys``, `testbed.security`) the socket is a CURVE client of the edge (or emulator).
 """
 
 from __future__ import annotations
@@ -17,137 +27,316 @@ import time
 
 import zmq
 
+from device_node.drafting import Draft, Drafter
 from device_node.hardware import HardwareProfile, load_hardware
-from device_node.options import add_arguments
+from device_node.options import EPILOG, ExitCode, add_arguments
 from testbed.core.sampling import RoundRandomness, SamplingParams, sample_correction
+from testbed.security import ClientKeys, SecurityError, make_client
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
 
 log = logging.getLogger("multispin.device")
 
+REGISTER_RETRY_S = 1.0       # first resend of `register` after this long without an answer ...
+REGISTER_RETRY_MAX_S = 8.0   # ... doubling up to this (an edge that returns is found within ~8 s)
+
+
+class _EdgeLost(Exception):
+    """Internal: the edge was silent for its liveness window."""
+
 
 class DeviceNode:
-    def __init__(self, connect: str, name: str, drafter, hardware: HardwareProfile | None = None, *,
-                 register_timeout_s: float = 120.0, idle_timeout_s: float = 300.0, tx_marker: bool = True):
+    """One device: registers with the edge, then drafts, uploads and corrects round by round."""
+
+    def __init__(self, connect: str, name: str, drafter: Drafter, hardware: HardwareProfile | None = None, *,
+                 register_timeout_s: float = 120.0, idle_timeout_s: float = 300.0, tx_marker: bool = True,
+                 keys: ClientKeys | None = None, reconnect: bool = False,
+                 register_retry_s: float = REGISTER_RETRY_S, register_retry_max_s: float = REGISTER_RETRY_MAX_S):
         self.connect, self.name, self.drafter = connect, name, drafter
         self.hardware = hardware or HardwareProfile()
         self.register_timeout_s, self.idle_timeout_s = register_timeout_s, idle_timeout_s
-        self.tx_marker = tx_marker
+        self.tx_marker_wanted = self.tx_marker = tx_marker
+        self.keys, self.reconnect = keys, reconnect
+        self.register_retry_s, self.register_retry_max_s = register_retry_s, register_retry_max_s
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.ROUTING_ID, name.encode())
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.connect(connect)
+        self.sock: zmq.Socket | None = None
+        self._open()
         self.rounds_done = 0
+        self.session: str | None = None
+        self.pending: tuple[M.Schedule, Draft] | None = None  # the round in flight
+        # Liveness: None until the edge announces heartbeats in `registered` (an older edge sends none;
+        # then only the idle timeout applies).
+        self.heartbeat_s: float | None = None
+        self.liveness = M.DEFAULT_LIVENESS
+        self.last_sent = self.last_heard = time.monotonic()
+        self.dropped_messages = 0  # received messages refused (malformed, out of place)
 
     # -- transport ------------------------------------------------------------------------------
-    def _recv(self, timeout_s: float):
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        frames = self.sock.recv_multipart(copy=False)
-        return P.decode(frames)
+    def _open(self) -> None:
+        """(Re)open the DEALER: a fresh socket drops whatever the old one still queued."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        sock.setsockopt(zmq.LINGER, 1000)
+        make_client(sock, self.keys)
+        sock.connect(self.connect)
+        self.sock = sock
+
+    def _send(self, frames: list, *, copy: bool = True) -> None:
+        self.sock.send_multipart(frames, copy=copy)
+        self.last_sent = time.monotonic()
 
     def _send_air(self, frames: list, air: str) -> None:
         # A tiny marker first: the channel emulator starts the air time when the marker arrives, so the
         # real transfer time of the large payload is absorbed instead of added (no clocks are compared).
         if self.tx_marker:
             self.sock.send(P.tx_start_marker(air))
-        self.sock.send_multipart(frames, copy=False)
+        self._send(frames, copy=False)
+
+    def _heartbeat(self) -> None:
+        try:  # never block on a dead peer's full queue: a lost heartbeat is what liveness is for
+            self.sock.send_multipart(M.heartbeat(), flags=zmq.NOBLOCK)
+            self.last_sent = time.monotonic()
+        except zmq.Again:
+            pass
+
+    def _recv(self, timeout_s: float) -> tuple[dict, dict] | None:
+        """The next message, decoded; None on timeout or when the message was refused (logged)."""
+        if not self.sock.poll(max(0, int(timeout_s * 1000))):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        try:
+            return P.decode(frames)
+        except ProtocolError as exc:  # P.decode raises nothing else, whatever the bytes
+            self._drop("malformed", exc)
+            return None
+
+    def _drop(self, kind: str, exc: BaseException) -> None:
+        self.dropped_messages += 1
+        log.warning("%s: dropped a %s message: %s", self.name, kind, exc)
 
     # -- life cycle -----------------------------------------------------------------------------
-    def run(self) -> int:
-        """Register, then serve schedules until the edge says bye. Returns a process exit code."""
-        self.sock.send_multipart(M.register(self.name, self.drafter.vocab_size, self.hardware.to_dict()))
-        msg = self._recv(self.register_timeout_s)
-        if msg is None:
-            log.error("%s: no answer from the edge at %s within %.0f s", self.name, self.connect,
-                      self.register_timeout_s)
-            return 3
-        header, arrays = msg
-        if header["type"] == P.ERROR:
-            log.error("%s: registration refused: %s", self.name, header.get("message"))
-            return 4
-        if header["type"] != P.REGISTERED:
-            log.error("%s: expected 'registered', got %r", self.name, header["type"])
-            return 4
-        self._start_session(header, arrays)
+    def run(self) -> ExitCode:
+        """Register, then serve schedules until the edge says bye. Returns the process exit code."""
+        deadline = time.monotonic() + self.register_timeout_s
         while True:
-            msg = self._recv(self.idle_timeout_s)
-            if msg is None:
-                log.error("%s: no message from the edge for %.0f s; leaving", self.name, self.idle_timeout_s)
-                return 5
-            header, arrays = msg
-            kind = header["type"]
+            code = self._register(deadline)
+            if code is not None:
+                return code
             try:
-                if kind == P.SCHEDULE:
-                    self._on_schedule(header)
-                elif kind == P.VERDICT:
-                    self._on_verdict(header, arrays)
-                elif kind == P.BYE:
-                    log.info("%s: done (%s) after %d rounds", self.name, header.get("reason"), self.rounds_done)
-                    return 0
-                elif kind == P.ERROR:
-                    log.warning("%s: edge reports: %s", self.name, header.get("message"))
-                    if header.get("fatal"):
-                        return 6
-                else:
-                    log.warning("%s: ignoring message of type %r", self.name, kind)
-            except ProtocolError as exc:
-                log.warning("%s: refused a %s message: %s", self.name, kind, exc)
+                return self._serve()
+            except _EdgeLost:
+                silent = time.monotonic() - self.last_heard
+                if not self.reconnect:
+                    log.error("%s: the edge at %s was silent for %.1f s (%d heartbeats of %.2f s); leaving "
+                              "(exit %d; --reconnect waits for it instead)", self.name, self.connect, silent,
+                              self.liveness, self.heartbeat_s, ExitCode.EDGE_GONE)
+                    return ExitCode.EDGE_GONE
+                log.warning("%s: the edge at %s was silent for %.1f s; reconnecting and registering again",
+                            self.name, self.connect, silent)
+                self._end_session()
+                self._open()
+                deadline = None  # --reconnect: until the edge returns
 
     def close(self) -> None:
         self.sock.close(linger=0)
 
+    def _register(self, deadline: float | None) -> ExitCode | None:
+        """Send `register` until a `registered` comes (None: session started) or the deadline passes.
+
+        Each resend goes out on a fresh socket after a growing wait. An `error` refuses the registration only
+        when it is about the register itself (the edge names the field, ``register.*``) or fatal: an error
+        answering a message of an earlier connection must not end a reconnecting device."""
+        retry, first = self.register_retry_s, True
+        while True:
+            if not first:
+                self._open()
+            first = False
+            self._send(M.register(self.name, self.drafter.vocab_size, self.hardware.to_dict()))
+            until = time.monotonic() + retry
+            if deadline is not None:
+                until = min(until, deadline)
+            while (left := until - time.monotonic()) > 0:
+                msg = self._recv(left)
+                if msg is None:
+                    continue
+                header, arrays = msg
+                kind = header["type"]
+                if kind == P.REGISTERED:
+                    try:
+                        self._start_session(header, arrays)
+                        return None
+                    except ProtocolError as exc:
+                        self._drop("registered", exc)
+                elif kind == P.ERROR:
+                    try:
+                        err = M.parse_error(header)
+                    except ProtocolError as exc:
+                        self._drop("error", exc)
+                        continue
+                    if err.fatal or err.message.startswith("register"):
+                        log.error("%s: registration refused: %s", self.name, err.message)
+                        return ExitCode.REFUSED
+                    log.warning("%s: edge reports (while registering): %s", self.name, err.message)
+                elif kind == P.BYE:
+                    log.info("%s: the edge ended the run before this device registered", self.name)
+                    return ExitCode.OK
+                else:
+                    log.debug("%s: ignoring a %r message while registering", self.name, kind)
+            if deadline is not None and time.monotonic() >= deadline:
+                log.error("%s: no answer from the edge at %s within %.0f s", self.name, self.connect,
+                          self.register_timeout_s)
+                return ExitCode.NO_EDGE
+            log.info("%s: no answer from the edge at %s yet; registering again", self.name, self.connect)
+            retry = min(2 * retry, self.register_retry_max_s)
+
+    def _serve(self) -> ExitCode:
+        """Serve the session until bye or a fatal error; raises _EdgeLost when the edge goes silent."""
+        while True:
+            now = time.monotonic()
+            if self.heartbeat_s is None:
+                wait = self.idle_timeout_s - (now - self.last_heard)
+            else:
+                if now - self.last_sent >= self.heartbeat_s:
+                    self._heartbeat()
+                    now = time.monotonic()
+                wait = min(self.heartbeat_s - (now - self.last_sent),
+                           self.liveness * self.heartbeat_s - (now - self.last_heard))
+            # Poll even when the window is over: after a pause (SIGSTOP, a slow draft) messages may be
+            # waiting, and they prove the edge alive.
+            if self.sock.poll(max(0, int(wait * 1000))):
+                code = self._handle(self.sock.recv_multipart(copy=False))
+                if code is not None:
+                    return code
+                continue
+            silent = time.monotonic() - self.last_heard
+            if self.heartbeat_s is None:
+                if silent >= self.idle_timeout_s:
+                    log.error("%s: no message from the edge for %.0f s; leaving", self.name, silent)
+                    return ExitCode.EDGE_SILENT
+            elif silent >= self.liveness * self.heartbeat_s:
+                raise _EdgeLost()
+
+    def _handle(self, frames: list) -> ExitCode | None:
+        """One received message, under a guard: whatever it holds, the device keeps serving. Returns an exit
+        code when the session ends."""
+        kind = "malformed"
+        try:
+            header, arrays = P.decode(frames)
+            kind = header["type"]
+            if kind != P.ERROR:  # an error reply is no proof of a live session (a restarted edge sends them)
+                self.last_heard = time.monotonic()
+            if kind == P.SCHEDULE:
+                self._on_schedule(header)
+            elif kind == P.VERDICT:
+                self._on_verdict(header, arrays)
+            elif kind == P.HEARTBEAT or kind == P.TX_START:
+                pass
+            elif kind == P.BYE:
+                log.info("%s: done (%s) after %d rounds", self.name, M.parse_bye(header), self.rounds_done)
+                return ExitCode.OK
+            elif kind == P.ERROR:
+                err = M.parse_error(header)
+                log.warning("%s: edge reports: %s", self.name, err.message)
+                if err.fatal:
+                    return ExitCode.EDGE_FATAL
+            elif kind == P.REGISTERED:
+                # The edge opened a new session (an answer to a resent register, or the edge restarted it).
+                self._start_session(header, arrays)
+            else:
+                raise ProtocolError(f"type: {P.show(kind)} is not expected by a device")
+        except ProtocolError as exc:
+            self._drop(kind, exc)
+        except Exception as exc:  # a bug or a drafter failure must cost one round, not the device
+            self.dropped_messages += 1
+            log.error("%s: dropped a %s message after an internal error (%s: %s); drafts of the round in "
+                      "flight discarded", self.name, kind, type(exc).__name__, exc)
+            self._abandon_round()
+        return None
+
     def _start_session(self, header: dict, arrays: dict) -> None:
-        self.session = header["session"]
-        self.seed = int(header["seed"])
-        self.params = SamplingParams(**header["sampling"])
-        self.bits = int(header["bits_per_prob"])
-        self.on_air = header.get("on_air_vocab_size")
-        self.max_draft_len = int(header["max_draft_len"])
-        self.tx_marker = self.tx_marker and bool(header.get("tx_marker", True))
-        prompt = [int(t) for t in arrays["prompt_ids"]]
-        if not prompt or max(prompt) >= self.drafter.vocab_size:
-            raise ProtocolError(f"registered.prompt_ids: ids must be in [0, {self.drafter.vocab_size})")
-        self.committed = list(prompt)  # prompt + every output token, in order
-        self.drafter.reset(prompt)
-        self.pending = None  # (schedule, tokens, q_rows) of the round in flight
-        log.info("%s: session %s, prompt of %d tokens", self.name, self.session, len(prompt))
+        reg = M.parse_registered(header, arrays, vocab_size=self.drafter.vocab_size)
+        self.session = reg.session
+        self.seed = reg.seed
+        self.params = SamplingParams(**reg.sampling)
+        self.bits = reg.bits_per_prob
+        self.on_air = reg.on_air_vocab_size
+        self.max_draft_len = reg.max_draft_len
+        self.tx_marker = self.tx_marker_wanted and reg.tx_marker
+        # Heartbeats only with an edge that announces them: an older edge would refuse them, and sends none.
+        self.heartbeat_s = reg.heartbeat_s if "heartbeat_s" in header else None
+        self.liveness = reg.liveness
+        self.committed = list(reg.prompt_ids)  # prompt + every output token, in order
+        self.drafter.reset(self.committed)
+        self.pending = None
+        self.last_heard = time.monotonic()
+        log.info("%s: session %s, prompt of %d tokens%s", self.name, self.session, len(self.committed),
+                 "" if self.heartbeat_s is None else
+                 f", heartbeat {self.heartbeat_s:g} s, liveness {self.liveness}")
+
+    def _end_session(self) -> None:
+        self.session, self.pending, self.heartbeat_s = None, None, None
+
+    def _abandon_round(self) -> None:
+        """Forget the round in flight: the drafter goes back to the committed context (the edge drops the
+        round for this device when its draft or report does not come)."""
+        self.pending = None
+        if self.session is not None:
+            self.drafter.reset(self.committed)
 
     # -- one round ------------------------------------------------------------------------------
     def _on_schedule(self, header: dict) -> None:
+        if self.session is None:
+            raise ProtocolError("schedule before registered")
         sched = M.parse_schedule(header, self.max_draft_len)
+        if self.pending is not None:
+            # The edge moved on without our verdict (a lost message, an edge restart): drafting again on top
+            # of unverified drafts would desynchronise the drafter. Refuse this round, drop the old one; the
+            # edge sees neither a draft nor a report and drops them too.
+            held = self.pending[0].round
+            self._abandon_round()
+            self.dropped_messages += 1
+            log.error("%s: refused the schedule of round %d: the draft of round %d is unverified; round %d "
+                      "dropped", self.name, sched.round, held, held)
+            return
         rr = RoundRandomness(self.seed, self.name, sched.round)
         t0 = time.perf_counter()
-        # Sampled through the wire precision: q_rows are exactly what the edge rebuilds from the upload.
-        tokens, q_rows = self.drafter.draft(sched.draft_len, self.params, rr.draft_generator(),
-                                            wire_bits=self.bits)
-        q_wire = self.drafter.last_wire
+        # Sampled through the wire precision: draft.q is exactly what the edge rebuilds from the upload.
+        draft = self.drafter.draft(sched.draft_len, self.params, rr.draft_generator(), wire_bits=self.bits)
         compute_s = time.perf_counter() - t0
         # Emulated slower hardware: sleep the extra (scale - 1) x the measured compute.
         extra_s = (self.hardware.compute_scale - 1.0) * compute_s
         if extra_s > 0:
             time.sleep(extra_s)
         draft_s = time.perf_counter() - t0
-        self.pending = (sched, list(tokens), q_rows)  # float64: never rounded again
+        self.pending = (sched, draft)  # q float64: never rounded again
         timings = {"draft_s": draft_s, "compute_s": compute_s, "emulated_extra_s": extra_s,
                    "compute_scale": self.hardware.compute_scale}
-        frames = M.draft(sched.round, sched.mode, tokens, q_rows, q_wire=q_wire, last_token=self.committed[-1],
-                         bits_per_prob=self.bits, on_air_vocab=self.on_air, timings=timings)
+        frames = M.draft(sched.round, sched.mode, draft.tokens, draft.q, q_wire=draft.wire,
+                         last_token=self.committed[-1], bits_per_prob=self.bits, on_air_vocab=self.on_air,
+                         timings=timings)
         self._send_air(frames, "ul")
 
     def _on_verdict(self, header: dict, arrays: dict) -> None:
         if self.pending is None or header.get("round") != self.pending[0].round:
-            raise ProtocolError(f"verdict.round: {header.get('round')!r} does not match the round in flight "
+            raise ProtocolError(f"verdict.round: {P.show(header.get('round'))} does not match the round in flight "
                                 f"{None if self.pending is None else self.pending[0].round}")
-        sched, tokens, q_rows = self.pending
+        sched, draft = self.pending
+        try:
+            v = M.parse_verdict(header, arrays, draft_len=sched.draft_len, vocab_size=self.drafter.vocab_size,
+                                bits_per_prob=self.bits, on_air_vocab=self.on_air)
+            if v.token is None and (sched.mode != "DL" or v.n_accepted >= sched.draft_len):
+                raise ProtocolError(f"verdict: a distribution p for n_accepted={v.n_accepted} in mode {sched.mode}")
+        except ProtocolError as exc:
+            # Our round's verdict is unusable: drop the round here too (the edge sees no report).
+            self._abandon_round()
+            raise ProtocolError(f"{exc}; round {sched.round} dropped") from None
         self.pending = None
-        v = M.parse_verdict(header, arrays, draft_len=sched.draft_len, vocab_size=self.drafter.vocab_size,
-                            bits_per_prob=self.bits, on_air_vocab=self.on_air)
         if v.dropped:
             # The edge dropped this round (deadline missed): forget the drafts, redraft next round.
-            log.info("%s: round %d dropped by the edge: %s", self.name, v.round, header.get("reason"))
+            log.info("%s: round %d dropped by the edge: %s", self.name, v.round, v.reason)
             self.drafter.reset(self.committed)
             return
         t0 = time.perf_counter()
@@ -157,37 +346,62 @@ class DeviceNode:
             # DL mode, rejection at j = n_accepted: correct here with our own q_j (the exact row the draft
             # was sampled from, the one the edge would rebuild in UL mode), the p_j the edge verified with
             # (exact_from_wire of the downloaded row) and the round's final draw.
-            if sched.mode != "DL" or v.n_accepted >= sched.draft_len:
-                raise ProtocolError(f"verdict: a distribution p for n_accepted={v.n_accepted} in mode {sched.mode}")
             rr = RoundRandomness(self.seed, self.name, sched.round)
-            token = sample_correction(v.p_row, q_rows[v.n_accepted], rr.final_uniform())
+            token = sample_correction(v.p_row, draft.q[v.n_accepted], rr.final_uniform())
         correction_s = time.perf_counter() - t0
         self.drafter.commit(v.n_accepted, token)
-        self.committed.extend(tokens[: v.n_accepted] + [token])
+        self.committed.extend(draft.tokens[: v.n_accepted] + [token])
         self.rounds_done += 1
-        self.sock.send_multipart(M.report(sched.round, token, v.n_accepted, {"correction_s": correction_s},
-                                          v.channel))
+        self._send(M.report(sched.round, token, v.n_accepted, {"correction_s": correction_s}, v.channel))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="device_node.node", description="A multispin device node.")
+    parser = argparse.ArgumentParser(prog="device_node.node", description="A multispin device node.",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_from_args(args)
 
 
-def run_from_args(args) -> int:
+def tell_edge(connect: str, name: str, message: str, keys: ClientKeys | None, wait_s: float = 5.0) -> None:
+    """Best effort: send the edge a fatal `error` saying why this device cannot take part, waiting up to
+    `wait_s` for it to leave (an edge that is not up yet never hears it)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.ROUTING_ID, name.encode())
+        make_client(sock, keys)
+        sock.connect(connect)
+        sock.send_multipart(M.error(message, fatal=True))
+    except zmq.ZMQError as exc:
+        log.debug("%s: could not tell the edge: %s", name, exc)
+    finally:
+        sock.close(linger=int(wait_s * 1000))  # the linger is the delivery window
+
+
+def run_from_args(args) -> ExitCode:
+    """Build the device from parsed `add_arguments` options and run it; returns its exit code."""
     from device_node.drafter import OnnxDrafter  # onnxruntime + numpy only
 
+    keys = None
+    if args.keys:
+        try:
+            keys = ClientKeys.load(args.keys)
+        except SecurityError as exc:  # without keys the edge cannot even be told
+            print(f"device: error: --keys: {exc}", file=sys.stderr)
+            return ExitCode.USAGE
     try:
         hardware = load_hardware(args.hardware)
-    except ValueError as exc:
+        drafter = OnnxDrafter(args.draft, threads=hardware.threads)
+    except (ValueError, FileNotFoundError) as exc:  # the message names the file or the profile
         print(f"device: error: {exc}", file=sys.stderr)
-        return 2
-    drafter = OnnxDrafter(args.draft, threads=hardware.threads)
+        # The edge would otherwise wait for this device until its wait_for_devices_s.
+        tell_edge(args.connect, args.name, f"device {args.name} cannot start: {exc}", keys,
+                  wait_s=min(5.0, args.register_timeout))
+        return ExitCode.USAGE
     node = DeviceNode(args.connect, args.name, drafter, hardware, register_timeout_s=args.register_timeout,
-                      tx_marker=not args.no_tx_marker)
+                      tx_marker=not args.no_tx_marker, keys=keys, reconnect=args.reconnect)
     try:
         return node.run()
     finally:

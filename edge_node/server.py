@@ -1,15 +1,28 @@
 """The edge node: a ZeroMQ ROUTER serving many devices, synchronous rounds, one batched verification.
 
 Per round: the controller plans (estimates -> optimizer), the channel emulator gets the plan's rates, each
-device gets its schedule; drafts are collected until the deadline; ONE `verifier.verify` call scores every
-device's drafts; accept/reject runs here for every device (shared sampling code); UL-mode corrections are
-sampled here, DL-mode devices get p_j and correct themselves; each device reports back; the round record
-(predicted next to measured, per phase and device) is written.
+device gets its schedule; drafts are collected until every scheduled device drafted or gave up, or the
+deadline; ONE `verifier.verify` call scores every device's drafts; accept/reject runs here for every device
+(shared sampling code); UL-mode corrections are sampled here, DL-mode devices get p_j and correct
+themselves; each device reports back; the round record (predicted next to measured, per phase and device)
+is written and fsynced as the round ends.
 
-Bad input (malformed, oversized, wrong sizes, NaN, unknown device) gets an error reply and a log line; the
-others keep being served. A device that misses the deadline is dropped from the round, and from the
-session after `max_misses` consecutive misses. Devices may register (join or rejoin) at any time; they
-take part from the next round.
+Hardening (a LAN is shared; see docs/wire-protocol.md):
+- Any failure while handling one message (malformed, oversized, wrong sizes, NaN, unknown device, a bug)
+  costs that message only: an `error` reply (or a silent drop) and one log line; the others keep being
+  served. `refused` counts them, `refusals` per reason.
+- A scheduled device whose draft is refused is out of that round at once (the round does not wait for it).
+  A device that misses the deadline is dropped from the round, and from the session after `max_misses`
+  consecutive misses.
+- Liveness (the ZeroMQ guide's Paranoid Pirate): the edge sends a `heartbeat` to a device it has sent
+  nothing to for `heartbeat_s`, and drops a session it has heard nothing from for `liveness` x `heartbeat_s`
+  (its KV cache is freed). Any message of the device counts as a sign of life.
+- Names: ZeroMQ ignores a second connection under a connected name (no ROUTER_HANDOVER); a registration
+  under a name whose session is alive is refused ("name in use"); once that session is silent (its device
+  crashed), a new registration takes it over. With CURVE keys (`keys_dir`) only listed keys connect and a
+  key speaks only for its own name (the channel emulator's key forwards for all).
+- A channel emulator that stops answering ends the run with a TestbedError (checked between rounds).
+Devices may register (join or rejoin) at any time; they take part from the next round.
 """
 
 from __future__ import annotations
@@ -17,28 +30,42 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
-from testbed.controller import Controller, channel_links, round_record
+from testbed import security
+from testbed.controller import Controller, DeviceOutcome, RoundPlan, channel_links, round_record
+from testbed.core.optimizer import DevicePlan
 from testbed.core.sampling import (
     RoundRandomness,
     SamplingParams,
-    count_accepted,
+    Verdict,
     exact_from_wire,
-    sample_correction,
-    sample_from,
     to_probs,
     to_wire_precision,
+    verify_draft,
 )
+from testbed.errors import TestbedError
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
 
 log = logging.getLogger("multispin.edge")
+
+REFUSAL_LOG_BURST = 20  # refusals logged per second; beyond that they are counted (a flood must not fill the disk)
+
+
+class Refusal(ProtocolError):
+    """A refused message with a reason tag for the per-reason counters (`EdgeServer.refusals`)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -59,6 +86,42 @@ class Session:
     last_n: int = 0
     last_drafts: list[int] = field(default_factory=list)
     report_round: int | None = None         # the round whose report is still to come (needed or not)
+    unconfirmed: int = 0                    # output tokens committed here whose report has not come yet
+    last_heard: float = 0.0                 # edge clock: the device's latest message of any kind
+    last_sent: float = 0.0                  # edge clock: our latest message to it (heartbeats included)
+
+
+@dataclass
+class ArrivedDraft:
+    """A device's draft, accepted into the round's inbox."""
+
+    t_arrival: float      # edge clock (monotonic)
+    draft: M.Draft
+    nbytes: int           # bytes of the message's frames: the record's ul_bytes when no emulator annotates it
+
+
+@dataclass
+class RoundInFlight:
+    """The round the edge is serving: its plan, each device's schedule, and what came back so far."""
+
+    index: int
+    plan: RoundPlan
+    plan_s: float                       # how long computing the plan took
+    schedule: dict[str, DevicePlan]     # the devices of this round -> their plan entry (mode, draft_len, powers)
+    sids: dict[str, str]                # the session each schedule went to (a rejoined device is a new one)
+    t0: float                           # edge clock when the schedules went out
+    drafts: dict[str, ArrivedDraft] = field(default_factory=dict)
+    given_up: dict[str, str] = field(default_factory=dict)  # name -> why its draft will not come (refused, gone)
+    reports: dict[str, tuple[float, M.Report]] = field(default_factory=dict)  # name -> (arrival time, report)
+    reports_given_up: set[str] = field(default_factory=set)  # refused reports, sessions gone
+    closed: bool = False                # past the drafting phase: later drafts are discarded
+
+    def awaits_draft(self, name: str) -> bool:
+        return (not self.closed and name in self.schedule and name not in self.drafts
+                and name not in self.given_up)
+
+    def drafting_done(self) -> bool:
+        return all(n in self.drafts or n in self.given_up for n in self.schedule)
 
 
 class EdgeServer:
@@ -67,7 +130,12 @@ class EdgeServer:
                  max_new_tokens: int = 0, on_air_vocab_size: int | None = None, vocab_size: int,
                  channel=None, channel_mode: str = "passthrough", base_latency_s: float = 0.0,
                  recorder=None, policy: str = "proposed", prompt_texts: list[str] | None = None,
-                 max_array_bytes: int = P.MAX_ARRAY_BYTES, tx_marker: bool = True, context=None):
+                 max_array_bytes: int = P.MAX_ARRAY_BYTES, tx_marker: bool = True, context=None,
+                 keys_dir: str | None = None, heartbeat_s: float = 1.0, liveness: int = 5):
+        if not (math.isfinite(heartbeat_s) and M.MIN_HEARTBEAT_S <= heartbeat_s <= M.MAX_HEARTBEAT_S):
+            raise ValueError(f"heartbeat_s={heartbeat_s!r}; allowed: {M.MIN_HEARTBEAT_S}..{M.MAX_HEARTBEAT_S} s")
+        if not (isinstance(liveness, int) and 1 <= liveness <= M.MAX_LIVENESS):
+            raise ValueError(f"liveness={liveness!r}; allowed: an integer in 1..{M.MAX_LIVENESS}")
         self.verifier, self.scenario, self.controller = verifier, scenario, controller
         self.prompts, self.prompt_texts = prompts, prompt_texts or [""] * len(prompts)
         self.params, self.seed = sampling, seed
@@ -78,53 +146,95 @@ class EdgeServer:
         self.channel, self.channel_mode, self.base_latency_s = channel, channel_mode, base_latency_s
         self.recorder, self.policy = recorder, policy
         self.max_array_bytes, self.tx_marker = max_array_bytes, tx_marker
+        self.heartbeat_s, self.liveness = float(heartbeat_s), liveness
+        self.window_s = liveness * self.heartbeat_s  # silent this long: the peer is dead
+        self.keys = security.ServerKeys.load(keys_dir) if keys_dir else None
         self.ctx = context or zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a rejoining device (same name) takes over its identity
-        # Refuse absurd messages at the transport too (the peer is disconnected, the edge goes on).
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_array_bytes + P.MAX_HEADER_BYTES)
-        self.sock.bind(bind)
+        self.sock = self._bind(bind, max_array_bytes)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.sessions: dict[str, Session] = {}
         self.known = {d.name for d in scenario.devices}
         self._sid = itertools.count()
-        self._inbox_drafts: dict[str, tuple[float, M.Draft]] = {}
-        self._current: dict | None = None  # round in flight: {round, sched: {name: (mode, L)}}
+        self._round: RoundInFlight | None = None  # the latest round, kept after it closes for its late reports
+        self._in_round = False
+        self._finished: dict[str, Session] = {}   # sessions that ended: outputs only (no KV cache, no drafts)
+        self._next_plan: tuple[RoundPlan, float] | None = None  # (plan, seconds it took) made one round ahead
         self.refused = 0
-        self._finished: dict[str, Session] = {}
-        self._reports: dict = {}
-        self._next_plan = None
-        self._unwritten: dict | None = None
+        self.refusals: Counter[str] = Counter()   # reason -> refused messages
+        self._log_window = (0.0, 0, 0)            # (window start, lines logged, lines suppressed)
+        self._heartbeat = M.heartbeat()
+        self._next_tick = 0.0
+        self._last_probe = 0.0
+        self.rounds_done = 0
+        self.last_record: dict | None = None
         self.t_origin = time.monotonic()
         self.round_index = 0
+
+    def _bind(self, bind: str, max_array_bytes: int) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # No handover: a second connection under a connected name is ignored by ZeroMQ, so it cannot take a
+        # live device's messages. A crashed device's connection closes, which frees its name for the restart;
+        # the transport heartbeat below closes a connection whose host vanished (no FIN ever comes).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.window_s * 1000)))
+        # Refuse absurd messages at the transport too (the peer is disconnected, the edge goes on).
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_array_bytes + P.MAX_HEADER_BYTES)
+        security.make_server(sock, self.keys)  # CURVE before bind; no keys: plain
+        sock.bind(bind)
+        return sock
 
     # -- transport -------------------------------------------------------------------------------
     def _send(self, name: str, frames: list) -> None:
         self.sock.send_multipart([name.encode(), *frames], copy=False)
+        s = self.sessions.get(name)
+        if s is not None:
+            s.last_sent = time.monotonic()
 
     def _send_air(self, name: str, frames: list) -> None:
         if self.tx_marker and self.channel is not None:
             self._send(name, [P.tx_start_marker("dl")])
         self._send(name, frames)
 
-    def _refuse(self, name: str, reason: str, round_index=None) -> None:
+    def _refuse(self, ident: bytes, reason: str, message: str, round_index=None) -> None:
+        """Count and log a refused message; answer its sender with an `error` (M.error is safe on peer text).
+        Under a name in use by another connection ZeroMQ delivers nothing, so the reply reaches the sender."""
         self.refused += 1
-        log.warning("refused a message from %r: %s", name, reason)
+        self.refusals[reason] += 1
+        self._log_refusal(ident.decode("utf-8", "replace"), message)
         try:
-            self._send(name, M.error(reason, round_index=round_index))
+            self.sock.send_multipart([ident, *M.error(message, round_index=round_index)], copy=False)
         except zmq.ZMQError:
             pass
 
+    def _log_refusal(self, name: str, message: str) -> None:
+        now = time.monotonic()
+        start, logged, suppressed = self._log_window
+        if now - start >= 1.0:
+            if suppressed:
+                log.warning("%d more refused messages were not logged", suppressed)
+            start, logged, suppressed = now, 0, 0
+        if logged < REFUSAL_LOG_BURST:
+            log.warning("refused a message from %s: %s", P.show(name, 80), message)
+            logged += 1
+        else:
+            suppressed += 1
+        self._log_window = (start, logged, suppressed)
+
     def poll(self, until: float, stop=None) -> None:
-        """Serve incoming messages until the monotonic time `until` or until `stop()` is true."""
+        """Serve incoming messages until the monotonic time `until` or until `stop()` is true; heartbeats,
+        liveness and the channel check run in between (`_tick`)."""
         while True:
             if stop is not None and stop():
                 return
-            left = until - time.monotonic()
+            now = time.monotonic()
+            self._tick(now)
+            left = until - now
             if left <= 0:
                 return
-            if not self.sock.poll(max(1, int(left * 1000))):
+            wait = min(left, max(0.0, self._next_tick - time.monotonic()))
+            if not self.sock.poll(max(1, int(wait * 1000))):
                 continue
             while True:
                 try:
@@ -135,59 +245,129 @@ class EdgeServer:
                 if stop is not None and stop():
                     return
 
+    # -- one message -----------------------------------------------------------------------------
     def _dispatch(self, frames: list, t_arr: float) -> None:
-        name = frames[0].bytes.decode("utf-8", "replace")
+        """Handle one message; whatever fails costs this message only (an error reply, one log line)."""
+        ident = frames[0].bytes
+        name = ident.decode("utf-8", "replace")
+        header: dict = {}
         try:
-            header, arrays = P.decode(frames[1:], max_array_bytes=self.max_array_bytes)
+            self._check_sender(name, frames)
+            try:
+                header, arrays = P.decode(frames[1:], max_array_bytes=self.max_array_bytes)
+            except ProtocolError as exc:
+                raise Refusal("malformed", f"malformed message: {exc}") from None
+            s = self.sessions.get(name)
+            if s is not None and header["type"] != P.REGISTER:
+                s.last_heard = t_arr  # any message is a sign of life, but a register may come from a new process
+            nbytes = sum(len(f) for f in frames[1:])  # bytes, as the emulator counts them (header + arrays)
+            self._handle(name, header, arrays, nbytes, self._via_channel(frames), t_arr)
+        except Refusal as exc:
+            self._refuse(ident, exc.reason, str(exc), header.get("round"))
         except ProtocolError as exc:
-            self._refuse(name, f"malformed message: {exc}")
+            self._refuse(ident, "invalid", str(exc), header.get("round"))
+        except Exception as exc:  # a bug or an input nobody foresaw: this message is lost, not the edge
+            log.debug("handling a message from %r failed", name, exc_info=True)
+            kind = header.get("type") if header.get("type") in M.MESSAGE_TYPES else "message"
+            self._refuse(ident, "internal", f"{kind} could not be handled ({type(exc).__name__}); it was dropped",
+                         header.get("round"))
+
+    def _check_sender(self, name: str, frames: list) -> None:
+        """With CURVE: the routing identity must be the name the sender's key is bound to (or the emulator)."""
+        if self.keys is None or len(frames) < 2:
             return
+        why = security.check_identity(name, frames[1], forwarder=security.CHANNEL_CLIENT)
+        if why is not None:
+            raise Refusal("identity", why)
+
+    def _via_channel(self, frames: list) -> bool:
+        """Whether the message came through the channel emulator, so that its `channel` annotation is the
+        emulator's and not the sender's own (a device can write any annotation into its header)."""
+        if self.channel_mode == "passthrough":
+            return False
+        if self.keys is not None and len(frames) > 1:
+            return security.sender_name(frames[1]) == security.CHANNEL_CLIENT
+        return True  # without keys the edge cannot tell; the emulator overwrites charged messages' annotation
+
+    def _handle(self, name: str, header: dict, arrays: dict, nbytes: int, via_channel: bool, t_arr: float) -> None:
         kind = header["type"]
-        try:
-            if kind == P.TX_START:
-                return  # a marker that reached us directly (no emulator in between)
-            if kind == P.REGISTER:
-                self._on_register(name, header)
-            elif kind == P.DRAFT:
-                self._on_draft(name, header, arrays, t_arr)
-            elif kind == P.REPORT:
-                self._on_report(name, header)
-            else:
-                raise ProtocolError(f"type: {kind!r} is not allowed from a device; allowed: register, draft, report")
-        except ProtocolError as exc:
-            self._refuse(name, str(exc), header.get("round"))
+        if kind == P.TX_START:
+            return  # a marker that reached us directly (no emulator in between)
+        if kind == P.HEARTBEAT:
+            if name not in self.sessions:
+                raise Refusal("not_registered", f"heartbeat from {name!r}, which is not registered; send register")
+            return  # last_heard is already refreshed
+        if kind == P.REGISTER:
+            self._on_register(name, header)
+        elif kind == P.DRAFT:
+            self._on_draft(name, header, arrays, nbytes, via_channel, t_arr)
+        elif kind == P.REPORT:
+            self._on_report(name, header, via_channel)
+        else:
+            raise ProtocolError(f"type: {P.show(kind)} is not allowed from a device; allowed: register, draft, "
+                                "report, heartbeat")
 
     # -- sessions --------------------------------------------------------------------------------
     def _on_register(self, name: str, header: dict) -> None:
         reg = M.parse_register(header)
         if reg.name != name:
-            raise ProtocolError(f"register.name: {reg.name!r} differs from the socket identity {name!r}")
+            raise ProtocolError(f"register.name: {reg.name!r} differs from the socket identity {P.show(name)}")
         if name not in self.known:
-            raise ProtocolError(f"register.name: {name!r} is not a device of this profile; allowed: "
-                                f"{sorted(self.known)}")
+            # The valid names are not listed: they would tell a stranger which names to try.
+            raise Refusal("unknown_device", f"register.name: {name!r} is not a device of this profile")
         if reg.vocab_size != self.vocab:
             raise ProtocolError(f"register.vocab_size: {reg.vocab_size} is not allowed; the target has {self.vocab}")
-        old = self.sessions.pop(name, None)
+        old = self.sessions.get(name)
+        if old is not None and self._alive(old):
+            # Not "register.*": a restarted device retries (its old session ends once silent), it does not quit.
+            raise Refusal("name_in_use", f"name in use: {name!r} has a live session; register again once it has "
+                                         f"been silent for {self.window_s:g} s (a restarted device takes it over)")
         if old is not None:
             log.info("%s: re-registered; closing its old session %s", name, old.sid)
-            self.verifier.close(old.sid)
+            self._end_session(name, "re-registered", notify=False)
+        self._open_session(name, reg.hardware)
+
+    def _alive(self, s: Session) -> bool:
+        """A session whose device was heard within the liveness window and that the edge has not ended."""
+        return not s.done and time.monotonic() - s.last_heard <= self.window_s
+
+    def _open_session(self, name: str, hardware: dict) -> None:
         idx = sorted(self.known).index(name) % len(self.prompts)
         sid = f"{name}#{next(self._sid)}"
         prompt = list(self.prompts[idx])
         self.verifier.open(sid, prompt)
-        self.sessions[name] = Session(name, sid, prompt, reg.hardware, pending=[])
+        now = time.monotonic()
+        self.sessions[name] = Session(name, sid, prompt, hardware, pending=[], last_heard=now)
         self._send(name, M.registered(sid, prompt, seed=self.seed, sampling=dataclasses.asdict(self.params),
                                       bits_per_prob=self.bits, on_air_vocab_size=self.on_air,
                                       max_draft_len=self.scenario.max_draft_len,
-                                      tx_marker=self.tx_marker and self.channel_mode != "passthrough"))
-        log.info("%s: registered (session %s, hardware %s)", name, sid, reg.hardware.get("name"))
+                                      tx_marker=self.tx_marker and self.channel_mode != "passthrough",
+                                      heartbeat_s=self.heartbeat_s, liveness=self.liveness))
+        log.info("%s: registered (session %s, hardware %s)", name, sid, hardware.get("name"))
 
-    def _drop_session(self, name: str, reason: str) -> None:
-        s = self.sessions.pop(name, None)
-        if s is not None:
-            self.verifier.close(s.sid)
-            self._finished[name] = s
+    def _drop_session(self, name: str, reason: str, *, notify: bool = True) -> None:
+        """End a session with a log line; `notify`: tell its device (`bye`: it exits)."""
+        if name in self.sessions:
             log.warning("%s: left the session: %s", name, reason)
+            self._end_session(name, reason, notify=notify)
+
+    def _end_session(self, name: str, reason: str, *, notify: bool) -> None:
+        """Close a session: free its KV cache, keep its outputs only, take it out of the round in flight."""
+        s = self.sessions.pop(name, None)
+        if s is None:
+            return
+        self.verifier.close(s.sid)
+        if s.unconfirmed:
+            # Tokens whose verdict the device never confirmed: it may never have had them.
+            del s.output_ids[-s.unconfirmed:]
+            s.unconfirmed = 0
+        s.pending, s.last_drafts = None, []
+        self._finished[name] = s
+        cur = self._round
+        if cur is not None and cur.sids.get(name) == s.sid:
+            cur.given_up.setdefault(name, reason)
+            cur.reports_given_up.add(name)
+        if notify:
             try:
                 self._send(name, M.done(reason))
             except zmq.ZMQError:
@@ -198,32 +378,113 @@ class EdgeServer:
         self.poll(time.monotonic() + timeout_s, stop=lambda: all(n in self.sessions for n in names))
         return [n for n in names if n not in self.sessions]
 
+    # -- liveness and the channel check ----------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        """Housekeeping a few times per heartbeat period: heartbeats out, silent sessions ended, and
+        between rounds a check that the channel emulator still answers."""
+        if now < self._next_tick:
+            return
+        self._next_tick = now + self.heartbeat_s / 4
+        self._send_heartbeats(now)
+        self._end_silent_sessions(now)
+        if not self._in_round:
+            self._probe_channel(now)
+
+    def _send_heartbeats(self, now: float) -> None:
+        for name, s in list(self.sessions.items()):
+            if not s.done and now - s.last_sent >= self.heartbeat_s:
+                self._send(name, self._heartbeat)  # uncharged (no "air"): the emulator passes it at once
+
+    def _end_silent_sessions(self, now: float) -> None:
+        cur = self._round
+        for name, s in list(self.sessions.items()):
+            silent = now - s.last_heard
+            if silent <= self.window_s:
+                continue
+            if cur is not None and cur.awaits_draft(name) and cur.sids.get(name) == s.sid:
+                continue  # a device busy drafting cannot beat; the round's deadline governs it
+            if s.done:
+                self._end_session(name, "done and silent", notify=False)
+            else:
+                # No bye: the device is presumed dead, and its name may already belong to its restarted
+                # process. Should it be alive after all, its next message gets "not registered".
+                self._drop_session(name, f"silent for {silent:.1f} s (liveness window {self.window_s:g} s)",
+                                   notify=False)
+
+    def _probe_channel(self, now: float) -> None:
+        if self.channel is None or now - self._last_probe < self.heartbeat_s:
+            return
+        self._last_probe = now
+        self._channel_call("stats", self.channel.stats)
+
+    def _channel_call(self, what: str, fn, *args, **kwargs):
+        """A request to the channel emulator; a dead or failing emulator ends the run with a clear error."""
+        try:
+            return fn(*args, **kwargs)
+        except TimeoutError as exc:
+            where = getattr(self.channel, "endpoint", "?")
+            raise TestbedError(f"channel emulator at {where} stopped answering ({what}: {exc})") from None
+        except RuntimeError as exc:
+            where = getattr(self.channel, "endpoint", "?")
+            raise TestbedError(f"channel emulator at {where} failed ({what}: {exc})") from None
+
     # -- drafts and reports ----------------------------------------------------------------------
-    def _on_draft(self, name: str, header: dict, arrays: dict, t_arr: float) -> None:
-        cur = self._current
+    def _on_draft(self, name: str, header: dict, arrays: dict, nbytes: int, via_channel: bool,
+                  t_arr: float) -> None:
         s = self.sessions.get(name)
         if s is None:
-            raise ProtocolError(f"draft from {name!r}, which is not registered; send register first")
-        r = header.get("round")
-        if cur is None or r != cur["round"] or name not in cur["sched"] or cur["closed"]:
-            log.info("%s: discarding a draft for round %r (round in flight: %s)", name, r,
-                     None if cur is None else cur["round"])
-            return
-        if name in self._inbox_drafts:
+            raise Refusal("not_registered", f"draft from {name!r}, which is not registered; send register first")
+        cur, r = self._round, header.get("round")
+        if cur is not None and r == cur.index and name in cur.drafts:
             raise ProtocolError(f"draft.round: a second draft for round {r}")
-        mode, L = cur["sched"][name]
-        d = M.parse_draft(header, arrays, mode=mode, draft_len=L, vocab_size=self.vocab, bits_per_prob=self.bits,
-                          on_air_vocab=self.on_air)
+        if cur is None or r != cur.index or cur.sids.get(name) != s.sid or not cur.awaits_draft(name):
+            log.info("%s: discarding a draft for round %s (round in flight: %s)", name, P.show(r, 20),
+                     None if cur is None else cur.index)
+            return
+        try:
+            d = self._parse_draft(s, cur.schedule[name], header, arrays, via_channel)
+        except Exception as exc:
+            # Its draft will not come: the round goes on without it at once instead of at the deadline.
+            cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
+            raise
+        s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
+        cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes)
+
+    def _parse_draft(self, s: Session, slot: DevicePlan, header: dict, arrays: dict, via_channel: bool) -> M.Draft:
+        d = M.parse_draft(header, arrays, mode=slot.mode, draft_len=slot.draft_len, vocab_size=self.vocab,
+                          bits_per_prob=self.bits, on_air_vocab=self.on_air)
         expected_last = (s.output_ids or s.prompt_ids)[-1]
         if d.last_token != expected_last:
             raise ProtocolError(f"draft.last_token: {d.last_token} does not match the committed context "
                                 f"(last token {expected_last}); the device is out of sync")
-        self._inbox_drafts[name] = (t_arr, d, sum(len(f) for f in arrays.values()))
+        if not via_channel:
+            d.channel = None  # no emulator in between: an annotation would be the device's own claim
+        return d
 
-    def _on_report(self, name: str, header: dict) -> None:
+    def _on_report(self, name: str, header: dict, via_channel: bool) -> None:
         s = self.sessions.get(name)
         if s is None:
-            raise ProtocolError(f"report from {name!r}, which is not registered")
+            raise Refusal("not_registered", f"report from {name!r}, which is not registered")
+        cur = self._round
+        awaited = cur is not None and cur.sids.get(name) == s.sid and s.report_round == cur.index
+        try:
+            rep = self._check_report(s, header)
+        except Exception:
+            if awaited:
+                cur.reports_given_up.add(name)  # this report will not come right: stop waiting for it
+            raise
+        if not via_channel:
+            rep.dl_channel = None
+        s.report_round, s.unconfirmed = None, 0
+        if s.awaiting_report == rep.round:
+            # DL-mode correction sampled on the device: the verifier feeds it next round.
+            s.output_ids.extend(s.last_drafts[: s.last_n] + [rep.token])
+            s.pending = [rep.token]
+            s.awaiting_report = None
+        if awaited and rep.round == cur.index:
+            cur.reports[name] = (time.monotonic(), rep)
+
+    def _check_report(self, s: Session, header: dict) -> M.Report:
         rep = M.parse_report(header, self.vocab)
         if s.report_round != rep.round:
             raise ProtocolError(f"report.round: {rep.round} is not awaited (awaiting {s.report_round})")
@@ -231,173 +492,232 @@ class EdgeServer:
             raise ProtocolError(f"report.n_accepted: {rep.n_accepted} differs from the verdict's {s.last_n}")
         if s.expected_token is not None and rep.token != s.expected_token:
             raise ProtocolError(f"report.token: {rep.token} differs from the token {s.expected_token} sent")
-        s.report_round = None
-        if s.awaiting_report == rep.round:
-            # DL-mode correction sampled on the device: the verifier feeds it next round.
-            s.output_ids.extend(s.last_drafts[: s.last_n] + [rep.token])
-            s.pending = [rep.token]
-            s.awaiting_report = None
-        if self._current is not None and rep.round == self._current["round"]:
-            self._reports[name] = (time.monotonic(), rep)
+        return rep
 
-    # -- one round -------------------------------------------------------------------------------
+    # -- one round, phase by phase -------------------------------------------------------------
+    def run_round(self, r: int) -> dict | None:
+        """One synchronous round; returns its record (already written), or None when no device can take part.
+
+        plan -> schedule -> collect drafts -> verify and reply -> collect reports -> close and record.
+        """
+        self._sit_out_missing_reports()
+        self._end_silent_sessions(time.monotonic())  # a dead device is not scheduled
+        names = self._active_names()
+        if not names:
+            return None
+        self._in_round = True
+        try:
+            cur = self._schedule(r, *self._plan(r, names))
+            # While the devices draft: plan the next round (its estimates then lag one round, which costs
+            # nothing measurable and keeps the optimizer off the critical path).
+            self._next_plan = self._fresh_plan(r + 1, names)
+            present = self._collect_drafts(cur)
+            outcomes, verify_s = self._verify_and_reply(cur, present)
+            t_end = self._collect_reports(cur, outcomes)
+            return self._close_round(cur, outcomes, verify_s, t_end)
+        finally:
+            self._in_round = False
+
     def _active_names(self) -> list[str]:
         return sorted(n for n, s in self.sessions.items() if not s.done and s.awaiting_report is None)
 
-    def _plan(self, r: int, names: list[str]):
+    def _sit_out_missing_reports(self) -> None:
+        """A device whose DL-mode correction (its report) never came cannot draft: it sits this round out."""
+        for name, s in list(self.sessions.items()):
+            if s.awaiting_report is None or s.done:
+                continue
+            s.misses += 1
+            log.warning("%s: no report for round %d yet (%d misses)", name, s.awaiting_report, s.misses)
+            if s.misses >= self.max_misses:
+                self._drop_session(name, f"no report for round {s.awaiting_report}")
+
+    # plan
+    def _plan(self, r: int, names: list[str]) -> tuple[RoundPlan, float]:
+        """The plan made during the previous round if it is for these devices; else a fresh one."""
+        planned, self._next_plan = self._next_plan, None
+        if planned is not None and planned[0].round == r and planned[0].devices == names:
+            return planned
+        return self._fresh_plan(r, names)  # a device joined, left or is late: plan for those actually here
+
+    def _fresh_plan(self, r: int, names: list[str]) -> tuple[RoundPlan, float]:
         t = time.monotonic()
         rp = self.controller.plan_round(r, names, t - self.t_origin)
         return rp, time.monotonic() - t
 
-    def run_round(self, r: int) -> dict | None:
-        """One synchronous round. While the devices draft, the previous round's record is written (fsync)
-        and the next round is planned."""
-        for n, s in list(self.sessions.items()):
-            if s.awaiting_report is not None:  # its report never came: it sits this round out
-                s.misses += 1
-                log.warning("%s: no report for round %d yet (%d misses)", n, s.awaiting_report, s.misses)
-                if s.misses >= self.max_misses:
-                    self._drop_session(n, f"no report for round {s.awaiting_report}")
-        names = self._active_names()
-        if not names:
-            self._flush_record()
-            return None
-        planned = self._next_plan
-        self._next_plan = None
-        if planned is not None and planned[0].round == r and planned[0].devices == names:
-            rp, plan_s = planned
-        else:  # a device joined, left or is late: plan for the devices actually here
-            rp, plan_s = self._plan(r, names)
+    # schedule
+    def _schedule(self, r: int, rp: RoundPlan, plan_s: float) -> RoundInFlight:
+        """Give the channel emulator the plan's rates (which also proves it answers), then send each
+        device its schedule."""
         if self.channel is not None:
-            self.channel.configure(round=r, links=channel_links(rp), dl_access=rp.scenario.dl_access,
-                                   base_latency_s=self.base_latency_s)
-        sched = {n: (rp.per_device[n]["mode"], int(rp.per_device[n]["draft_len"])) for n in names}
-        self._inbox_drafts, self._reports = {}, {}
-        self._current = {"round": r, "sched": sched, "closed": False}
-        t0 = time.monotonic()
-        for n in names:
-            d = rp.per_device[n]
-            self._send(n, M.schedule(r, sched[n][0], sched[n][1], d.get("ul_power_w") or 0.0,
-                                     d.get("dl_power_w") or 0.0, self.deadline_s))
-        # While the devices draft: write the previous round's record and plan the next round (its
-        # estimates then lag one round, which costs nothing measurable and keeps both off the critical path).
-        self._flush_record()
-        self._next_plan = self._plan(r + 1, names)
-        deadline = t0 + self.deadline_s
-        self.poll(deadline, stop=lambda: len(self._inbox_drafts) == len(names))
-        self._current["closed"] = True
-        present = [n for n in names if n in self._inbox_drafts]
-        for n in names:
-            if n in present:
-                self.sessions[n].misses = 0
-                continue
-            s = self.sessions[n]
-            s.misses += 1
-            log.warning("%s: missed the deadline of round %d (%d in a row)", n, r, s.misses)
-            self._send(n, M.dropped(r, f"no draft within {self.deadline_s} s"))
-            if s.misses >= self.max_misses:
-                self._drop_session(n, f"missed {s.misses} consecutive deadlines")
+            self._channel_call("configure", self.channel.configure, round=r, links=channel_links(rp),
+                               dl_access=rp.scenario.dl_access, base_latency_s=self.base_latency_s)
+            self._last_probe = time.monotonic()
+        cur = RoundInFlight(r, rp, plan_s, {n: rp.per_device[n] for n in rp.devices},
+                            {n: self.sessions[n].sid for n in rp.devices}, t0=time.monotonic())
+        self._round = cur
+        for name, slot in cur.schedule.items():
+            self._send(name, M.schedule(r, slot.mode, slot.draft_len, slot.ul_power_w or 0.0,
+                                        slot.dl_power_w or 0.0, self.deadline_s))
+        return cur
 
-        outcome: dict[str, dict] = {}
-        verify_s = None
-        if present:
-            items = [(self.sessions[n].sid, list(self.sessions[n].pending), self._inbox_drafts[n][1].tokens.tolist())
-                     for n in present]
-            tv = time.monotonic()
-            logits = self.verifier.verify(items)
-            verify_s = time.monotonic() - tv
-            self.controller.observe_verify(sum(sched[n][1] + 1 for n in present), verify_s)
-            for n, lg in zip(present, logits):
-                outcome[n] = self._decide(r, n, sched[n], lg, t0)
-                self.controller.observe_acceptance(n, outcome[n]["n_accepted"], sched[n][1])
-                self.controller.observe_draft_time(n, outcome[n].get("draft_s") or 0.0, sched[n][1])
-                charged = (outcome[n].get("ul_channel") or {}).get("bytes")
-                if charged:
-                    self.controller.observe_upload(charged, rp.per_device[n]["ul_bits"], rp.scenario.header_bits)
-            # The round ends when every device holds its tokens, which only its report tells (tiny, not
-            # charged); the report also carries the verdict's measured DL air time for the record.
-            self.poll(time.monotonic() + self.deadline_s, stop=lambda: all(n in self._reports for n in present))
-        t_end = time.monotonic()
-        if present and len(present) == len(names):
-            self.controller.observe_round(t_end - t0, rp.plan["round_time_s"], rp.scenario.round_overhead_s)
-        for n in present:
-            o = outcome[n]
-            if n in self._reports:
-                rep = self._reports[n][1]
-                o["dl_channel"] = rep.dl_channel
-                o["correction_s"] = rep.timings.get("correction_s")
-                o["report_s"] = self._reports[n][0] - o["t_verdict"]
+    # collect drafts
+    def _collect_drafts(self, cur: RoundInFlight) -> list[str]:
+        """Serve messages until every scheduled device drafted or is out (refused, gone), or the deadline;
+        returns the devices whose draft came."""
+        self.poll(cur.t0 + self.deadline_s, stop=cur.drafting_done)
+        cur.closed = True
+        present = []
+        for name in cur.schedule:
+            s = self.sessions.get(name)
+            if s is None or s.sid != cur.sids[name]:
+                continue  # it left or rejoined during the round: nothing to count against the new session
+            if name in cur.drafts:
+                s.misses = 0
+                present.append(name)
             else:
-                o["report_late"] = True
-        rec = round_record(rp, policy=self.policy, outcome=outcome, verify_s=verify_s, round_s=t_end - t0,
-                           t_start_s=t0 - self.t_origin,
-                           extra={"channel_mode": self.channel_mode, "plan_s": plan_s,
-                                  "joined": sorted(set(self.sessions) - set(names))})
-        for n in present:
-            s = self.sessions.get(n)
-            if s is not None and self.max_new_tokens and len(s.output_ids) >= self.max_new_tokens:
-                s.done = True
-                self._send(n, M.done(f"generated {len(s.output_ids)} tokens"))
-        self._unwritten = rec
-        return rec
+                self._missed(cur.index, name, cur.given_up.get(name, f"no draft within {self.deadline_s} s"))
+        return present
 
-    def _flush_record(self) -> None:
-        if self._unwritten is not None and self.recorder is not None:
-            self.recorder.append_round(self._unwritten)
-        self._unwritten = None
-
-    def _decide(self, r: int, name: str, sched: tuple[str, int], logits: np.ndarray, t0: float) -> dict:
-        """Accept/reject for one device; UL: correction here; DL: send p_j (or the bonus token)."""
-        mode, L = sched
+    def _missed(self, r: int, name: str, reason: str) -> None:
+        """The device is out of round `r`: it gets a `dropped` verdict (it redrafts next round)."""
         s = self.sessions[name]
-        t_arr, d, nbytes = self._inbox_drafts[name]
+        s.misses += 1
+        log.warning("%s: out of round %d (%d misses in a row): %s", name, r, s.misses, reason)
+        self._send(name, M.dropped(r, reason))
+        if s.misses >= self.max_misses:
+            self._drop_session(name, f"missed {s.misses} consecutive rounds")
+
+    # verify and reply
+    def _verify_and_reply(self, cur: RoundInFlight, present: list[str]) -> tuple[dict[str, DeviceOutcome],
+                                                                                   float | None]:
+        """ONE batched forward over every device's drafts, then each device's verdict; returns the outcomes
+        and the verification time (None when no draft came)."""
+        if not present:
+            return {}, None
+        items = [(self.sessions[n].sid, list(self.sessions[n].pending), cur.drafts[n].draft.tokens.tolist())
+                 for n in present]
+        tv = time.monotonic()
+        logits = self.verifier.verify(items)
+        verify_s = time.monotonic() - tv
+        self.controller.observe_verify(sum(cur.schedule[n].draft_len + 1 for n in present), verify_s)
+        outcomes = {}
+        for name, lg in zip(present, logits):
+            try:
+                outcomes[name] = self._decide(cur, name, lg)
+            except Exception as exc:  # one device's data must not cost the others their round
+                log.warning("%s: its draft of round %d could not be verified (%s: %s)", name, cur.index,
+                            type(exc).__name__, P.show(str(exc), 200))
+                self._drop_session(name, "its draft could not be verified")
+                continue
+            self._observe(cur, name, outcomes[name])
+        return outcomes, verify_s
+
+    def _decide(self, cur: RoundInFlight, name: str, logits: np.ndarray) -> DeviceOutcome:
+        """Accept/reject for one device and send the verdict: the token (bonus, or a UL-mode correction made
+        here), or on a DL-mode rejection p_j for the device to correct with its own q_j."""
+        slot, arrived = cur.schedule[name], cur.drafts[name]
+        d = arrived.draft
         # p is used as exact_from_wire of its wire rows, in both modes: a DL device rebuilds the identical
         # p_j from the row it downloads, so UL and DL give identical tokens.
         p_wire = to_wire_precision(to_probs(np.asarray(logits, dtype=np.float32), self.params), self.bits)
-        p = exact_from_wire(p_wire)
-        rr = RoundRandomness(self.seed, name, r)
-        toks = d.tokens
-        n = count_accepted(toks, d.q_at, p[np.arange(L), toks], rr.acceptance_uniforms(L))
-        dl_payload = "token"
-        if n == L:
-            token = sample_from(p[L], rr.final_uniform())
-            frames = M.verdict(r, n, token)
-        elif mode == "UL":
-            token = sample_correction(p[n], d.q_rows[n], rr.final_uniform())
-            frames = M.verdict(r, n, token)
+        rr = RoundRandomness(self.seed, name, cur.index)
+        verdict = verify_draft(exact_from_wire(p_wire), d.q_at, d.q_rows, d.tokens, slot.mode, rr)
+        n = verdict.n_accepted
+        if verdict.token is None:
+            frames = M.verdict(cur.index, n, None, p_row=p_wire[n], bits_per_prob=self.bits,
+                               on_air_vocab=self.on_air)
         else:
-            token = None
-            dl_payload = "p"
-            frames = M.verdict(r, n, None, p_row=p_wire[n], bits_per_prob=self.bits, on_air_vocab=self.on_air)
+            frames = M.verdict(cur.index, n, verdict.token)
+        self._commit(self.sessions[name], cur.index, verdict, d.tokens.tolist(), slot.draft_len)
+        dl_bytes = sum(len(f) for f in frames)
+        t_verdict = time.monotonic()
+        self._send_air(name, frames)
+        return DeviceOutcome(n_accepted=n, tokens=n + 1, dl_payload="p" if verdict.token is None else "token",
+                             ul_channel=d.channel, ul_bytes=arrived.nbytes, dl_bytes=dl_bytes,
+                             up_phase_s=arrived.t_arrival - cur.t0, t_verdict=t_verdict,
+                             timings=_finite_values(d.timings))
+
+    def _commit(self, s: Session, r: int, verdict: Verdict, drafts: list[int], draft_len: int) -> None:
+        """The verdict's effect on a session: the verifier's cache, the committed tokens, the counters."""
+        n, token = verdict.n_accepted, verdict.token
         self.verifier.commit(s.sid, n)
         s.pending = None
-        s.expected_token, s.last_n, s.last_drafts, s.report_round = token, n, toks.tolist(), r
+        s.expected_token, s.last_n, s.last_drafts, s.report_round = token, n, drafts, r
         if token is None:
             s.awaiting_report = r  # the device samples the correction; the next round needs its report
         else:
             # The edge knows the token: the next round can go ahead even if this report is late (it is
-            # checked when it comes; the record marks it late).
-            s.output_ids.extend(toks.tolist()[:n] + [token])
+            # checked when it comes; the record credits the round's tokens only with the report in time).
+            s.output_ids.extend(drafts[:n] + [token])
             s.pending = [token]
+            s.unconfirmed = n + 1
         s.rounds += 1
         s.accepted += n
-        s.drafted += L
-        dl_bytes = sum(len(f) for f in frames)
-        t_verdict = time.monotonic()
-        self._send_air(name, frames)
-        tm = d.timings
-        return {"n_accepted": n, "tokens": n + 1, "dl_payload": dl_payload, "ul_channel": d.channel,
-                "ul_bytes": nbytes, "dl_bytes": dl_bytes, "up_phase_s": t_arr - t0, "t_verdict": t_verdict,
-                "draft_s": tm.get("draft_s"), "compute_s": tm.get("compute_s"),
-                "emulated_extra_s": tm.get("emulated_extra_s"), "compute_scale": tm.get("compute_scale")}
+        s.drafted += draft_len
+
+    def _observe(self, cur: RoundInFlight, name: str, o: DeviceOutcome) -> None:
+        """Feed the controller's estimates: acceptance, drafting time and (when charged) the header size."""
+        slot = cur.schedule[name]
+        self.controller.observe_acceptance(name, o.n_accepted, slot.draft_len)
+        self.controller.observe_draft_time(name, o.timings.get("draft_s") or 0.0, slot.draft_len)
+        charged = (o.ul_channel or {}).get("bytes")
+        if charged:
+            self.controller.observe_upload(charged, slot.ul_bits, cur.plan.scenario.header_bits)
+
+    # collect reports
+    def _collect_reports(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome]) -> float:
+        """The round ends when every device holds its tokens, which only its report tells (tiny, not
+        charged); the report also carries the verdict's measured DL air time. Returns the round's end."""
+        if outcomes:
+            self.poll(time.monotonic() + self.deadline_s,
+                      stop=lambda: all(n in cur.reports or n in cur.reports_given_up for n in outcomes))
+        t_end = time.monotonic()
+        for name, o in outcomes.items():
+            if name not in cur.reports:
+                o.report_late = True  # unconfirmed: the record credits none of its tokens
+                continue
+            t_report, rep = cur.reports[name]
+            o.dl_channel, o.correction_s = rep.dl_channel, rep.timings.get("correction_s")
+            o.report_s = t_report - o.t_verdict
+        return t_end
+
+    # close and record
+    def _close_round(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome], verify_s: float | None,
+                     t_end: float) -> dict:
+        """Fit the round overhead (full rounds only), build the record and write it (flushed and fsynced:
+        a crash or Ctrl-C after this keeps the round), and finish the sessions that have all their tokens."""
+        rp, round_s = cur.plan, t_end - cur.t0
+        if outcomes and len(outcomes) == len(cur.schedule):
+            self.controller.observe_round(round_s, rp.plan["round_time_s"], rp.scenario.round_overhead_s)
+        rec = round_record(rp, policy=self.policy, outcomes=outcomes, verify_s=verify_s, round_s=round_s,
+                           t_start_s=cur.t0 - self.t_origin,
+                           extra={"channel_mode": self.channel_mode, "plan_s": cur.plan_s,
+                                  "joined": sorted(set(self.sessions) - set(cur.schedule))})
+        if self.recorder is not None:
+            self.recorder.append_round(rec)
+        self.rounds_done += 1
+        self.last_record = rec
+        cur.drafts = {}  # the round's q rows are no longer needed; late drafts are refused by `closed`
+        for name in outcomes:
+            s = self.sessions.get(name)
+            if s is not None and self.max_new_tokens and len(s.output_ids) >= self.max_new_tokens:
+                s.done = True
+                self.verifier.close(s.sid)  # it drafts no more: free its KV cache now, keep its outputs
+                self._send(name, M.done(f"generated {len(s.output_ids)} tokens"))
+        return rec
 
     # -- the whole run ---------------------------------------------------------------------------
-    def run(self, rounds: int, on_round=None, join_wait_s: float = 0.0) -> list[dict]:
-        """Run up to `rounds` rounds (fewer if every session finishes); returns the round records."""
-        records = []
-        for r in range(rounds):
+    def run(self, rounds: int, on_round=None, join_wait_s: float = 0.0, keep_records: bool = True,
+            start_round: int = 0) -> list[dict] | None:
+        """Run rounds `start_round`..`rounds`-1 (fewer if every session finishes; a resumed run numbers on:
+        round indices seed every random draw). Each round's record is written by the recorder as the round
+        ends and passed to `on_round`; `run` returns them all only with `keep_records` (the default, for
+        callers that summarize the list; a long run should pass False and read rounds.jsonl back, see
+        `testbed.records.load_run`), else None. `rounds_done` and `last_record` tell how far it got."""
+        records: list[dict] | None = [] if keep_records else None
+        for r in range(start_round, rounds):
             self.round_index = r
-            # Serve registrations that arrived between rounds (joins and rejoins).
+            # Serve registrations that arrived between rounds (joins and rejoins); check the emulator.
             self.poll(time.monotonic() + join_wait_s)
             rec = self.run_round(r)
             if rec is None:
@@ -407,10 +727,10 @@ class EdgeServer:
                 self.poll(time.monotonic() + self.deadline_s,
                           stop=lambda: bool(self._active_names()))
                 continue
-            records.append(rec)
+            if records is not None:
+                records.append(rec)
             if on_round is not None:
                 on_round(rec)
-        self._flush_record()
         return records
 
     def finish(self, reason: str = "run complete") -> dict:
@@ -424,9 +744,15 @@ class EdgeServer:
                 except zmq.ZMQError:
                     pass
             out[name] = s
-        for name, s in getattr(self, "_finished", {}).items():
+        for name, s in self._finished.items():
             out.setdefault(name, s)
         return out
 
     def close(self) -> None:
         self.sock.close(linger=200)
+
+
+def _finite_values(timings: dict) -> dict:
+    """A device's timings with non-finite values left out (the wire layer refuses them; this keeps the
+    controller and the record safe should a message reach here some other way)."""
+    return {k: v for k, v in timings.items() if isinstance(v, (int, float)) and math.isfinite(v)}

@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 
 from testbed import __version__
+from testbed.errors import TestbedError
 
 # Order is the order `multispin --help` lists them.
 COMMAND_MODULES = [
-    "run", "plan", "simulate", "models", "edge", "device", "report", "compare", "channel",
+    "run", "plan", "simulate", "models", "edge", "device", "report", "compare", "channel", "keys",
 ]
 
 
-class CliError(Exception):
-    """An error the user can fix; printed without a traceback."""
+class CliError(TestbedError):
+    """A bad command-line argument; like any TestbedError, printed without a traceback."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,18 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = args.handler(args)
-    except CliError as exc:
+    except TestbedError as exc:  # the library's and the commands' errors alike (CliError is one)
         print(f"multispin {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP during a run (testbed.launcher.RunInterrupted)
         print("interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     return int(result or 0)
 
 
 if __name__ == "__main__":
-    # Under `python -m testbed.cli` this file is `__main__`; run the package module so that the
-    # subcommands' `from testbed.cli import CliError` is the class caught here.
-    from testbed.cli import main as package_main
-
-    sys.exit(package_main())
+    # Under `python -m testbed.cli` the commands' `testbed.cli.CliError` is a second class (this file is
+    # `__main__`), but both derive from testbed.errors.TestbedError, the class caught in main.
+    sys.exit(main())

@@ -15,10 +15,14 @@ Pure logic (no sockets, no clocks): the edge server feeds it observations and as
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from testbed.core.model import evaluate
+from testbed.core.optimizer import DevicePlan, Plan, plan
 from testbed.core.scenario import Scenario
 
 
@@ -46,7 +50,28 @@ class RoundPlan:
     plan: dict                       # Plan.to_dict() of the optimizer
     scenario: Scenario               # what the plan was computed on (estimates in place)
     estimates: dict[str, dict]       # name -> {alpha, draft_time_s, gain_db}
-    per_device: dict[str, dict] = field(default_factory=dict)  # name -> the plan's device entry
+    per_device: dict[str, DevicePlan] = field(default_factory=dict)  # name -> the plan's device entry
+
+
+@dataclass
+class DeviceOutcome:
+    """What the edge saw of one device that drafted in time: the measured side of its round record."""
+
+    n_accepted: int
+    tokens: int                       # accepted + the correction or bonus token
+    dl_payload: str                   # what the verdict carried: "token", or "p" (a DL-mode correction)
+    ul_channel: dict | None           # the emulator's annotation of the upload (None without an emulator)
+    ul_bytes: int                     # the edge's count of the upload (recorded when no emulator annotates it)
+    dl_bytes: int                     # bytes of the verdict as sent
+    up_phase_s: float                 # edge clock: schedule sent -> draft arrived
+    t_verdict: float                  # edge clock (monotonic) when the verdict left
+    timings: dict = field(default_factory=dict)  # the device's own: draft_s, compute_s, emulated_extra_s, ...
+    # From the device's report, once it comes:
+    dl_channel: dict | None = None    # the emulator's annotation of the verdict's downlink
+    correction_s: float | None = None
+    report_s: float | None = None     # verdict sent -> report received
+    report_late: bool = False         # no report before the round closed: the verdict is unconfirmed, and the
+    #                                   record credits none of its tokens (the device may never have had them)
 
 
 class Controller:
@@ -67,14 +92,15 @@ class Controller:
         }
         self.static_gains = dict(zip([d.name for d in scenario.devices], scenario.gains_db().tolist()))
         self.t0, self.t1 = scenario.verify_t0_s, scenario.verify_t1_s
-        self._verify_obs: list[tuple[float, float]] = []
+        # Observation windows are bounded: an edge runs for days, and only the recent ones are used.
+        self._verify_obs: deque[tuple[float, float]] = deque(maxlen=200)
         # T_0 (spec section 4): the round's fixed overhead (messages, scheduling) the model does not see.
         self.fit_round_overhead = fit_round_overhead
         self.round_overhead_s = scenario.round_overhead_s
-        self._overhead_obs: list[float] = []
+        self._overhead_obs: deque[float] = deque(maxlen=20)
         # Protocol header bits per message: measured from what the channel charged for draft uploads.
         self.header_bits = scenario.header_bits
-        self._header_obs: list[float] = []
+        self._header_obs: deque[float] = deque(maxlen=50)
 
     # -- estimates -------------------------------------------------------------------------------
     def gains_db(self, round_index: int, t_s: float) -> dict[str, float]:
@@ -88,7 +114,7 @@ class Controller:
         e.trials += n_accepted + (1 if n_accepted < draft_len else 0)
 
     def observe_draft_time(self, name: str, draft_s: float, draft_len: int) -> None:
-        if not (draft_s > 0 and draft_len > 0):
+        if not (draft_s > 0 and draft_len > 0 and math.isfinite(draft_s)):  # a device's own report
             return
         e = self.est[name]
         e.rounds_timed += 1
@@ -99,7 +125,7 @@ class Controller:
 
     def observe_verify(self, positions: int, verify_s: float) -> None:
         self._verify_obs.append((float(positions), float(verify_s)))
-        obs = self._verify_obs[-200:]
+        obs = list(self._verify_obs)
         if not self.fit_verify_after or len(obs) < self.fit_verify_after:
             return
         # Median per batch size first: a shared CPU adds rare long stalls that a plain fit would follow.
@@ -118,17 +144,21 @@ class Controller:
 
     def observe_round(self, measured_round_s: float, predicted_round_s: float, overhead_used_s: float) -> None:
         """Residual of the round time beyond the modeled phases; T_0 = median of the recent residuals."""
-        if not self.fit_round_overhead:
+        residual = measured_round_s - (predicted_round_s - overhead_used_s)
+        if not self.fit_round_overhead or not math.isfinite(residual):
             return
-        self._overhead_obs.append(measured_round_s - (predicted_round_s - overhead_used_s))
-        recent = self._overhead_obs[-20:]
+        self._overhead_obs.append(residual)
+        recent = self._overhead_obs
         if len(recent) >= 3:
             self.round_overhead_s = max(0.0, float(np.median(recent)))
 
     def observe_upload(self, charged_bytes: int, planned_bits: float, header_used_bits: float) -> None:
         """Header bits = what the channel charged minus the payload the model counted; median of recent."""
-        self._header_obs.append(8.0 * charged_bytes - (planned_bits - header_used_bits))
-        recent = self._header_obs[-50:]
+        bits = 8.0 * charged_bytes - (planned_bits - header_used_bits)
+        if not math.isfinite(bits):  # charged_bytes comes from a header annotation
+            return
+        self._header_obs.append(bits)
+        recent = self._header_obs
         if len(recent) >= 3:
             self.header_bits = max(0.0, float(np.median(recent)))
 
@@ -149,44 +179,27 @@ class Controller:
         )
 
     def plan_round(self, round_index: int, names: list[str], t_s: float = 0.0) -> RoundPlan:
-        from testbed.core.optimizer import plan
-
         gains = self.gains_db(round_index, t_s)
         scen = self.scenario_for(names, gains)
         if self.pin_mode and self.pin_draft_len:
             # Fully pinned schedule: nothing to optimise, only the model's prediction of it.
-            stub = {"policy": "pinned", "devices": [{"name": d.name, "mode": self.pin_mode,
-                                                      "draft_len": self.pin_draft_len} for d in scen.devices]}
-            result = self._pinned(scen, stub)
+            n = scen.num_devices
+            chosen = self._pinned(scen, "pinned", [self.pin_mode] * n, [self.pin_draft_len] * n)
         else:
-            result = plan(scen, self.policy, fixed_length=self.fixed_length, seed=self.seed + round_index).to_dict()
+            chosen = plan(scen, self.policy, fixed_length=self.fixed_length, seed=self.seed + round_index)
             if self.pin_mode or self.pin_draft_len:
-                result = self._pinned(scen, result)
-        per = {d["name"]: d for d in result["devices"]}
+                chosen = self._pinned(scen, f"{chosen.policy}+pinned", chosen.modes, chosen.draft_lens)
         est = {n: {"alpha": self.est[n].alpha, "draft_time_s": self.est[n].draft_time_s, "gain_db": gains[n]}
                for n in names}
-        return RoundPlan(round_index, list(names), result, scen, est, per)
+        return RoundPlan(round_index, list(names), chosen.to_dict(), scen, est,
+                         {d.name: d for d in chosen.device_plans()})
 
-
-    def _pinned(self, scen: Scenario, planned: dict) -> dict:
+    def _pinned(self, scen: Scenario, policy: str, modes, draft_lens) -> Plan:
         """The profile pins every device's mode and/or draft length (e.g. to compare UL and DL mode on the
         same schedule); the prediction is the model's evaluation of that schedule."""
-        from testbed.core.model import evaluate
-
-        modes = [self.pin_mode or d["mode"] for d in planned["devices"]]
-        lens = [min(self.pin_draft_len or d["draft_len"], scen.max_draft_len) for d in planned["devices"]]
-        ev = evaluate(scen, modes, lens)
-        devices = []
-        for i, name in enumerate(ev.names):
-            devices.append({"name": name, "mode": ev.modes[i], "draft_len": int(ev.draft_lens[i]),
-                            **{k: float(getattr(ev, k)[i]) for k in (
-                                "ul_power_w", "dl_power_w", "expected_tokens", "uplink_s", "downlink_s", "draft_s",
-                                "tx_s", "ul_rate_bps", "dl_rate_bps", "ul_bits", "dl_bits")},
-                            "goodput_tps": float(ev.goodput[i])})
-        policy = planned["policy"] if planned["policy"] == "pinned" else f"{planned['policy']}+pinned"
-        return {"policy": policy, "goodput_tps": float(ev.goodput_tps),
-                "round_time_s": float(ev.round_time_s), "phases_s": {k: float(v) for k, v in ev.phases.items()},
-                "num_ul_devices": ev.num_ul_devices, "devices": devices}
+        modes = [self.pin_mode or m for m in modes]
+        lens = [min(self.pin_draft_len or int(n), scen.max_draft_len) for n in draft_lens]
+        return Plan(policy=policy, scenario=scen, evaluation=evaluate(scen, modes, lens))
 
 
 def channel_links(rp: RoundPlan, fallback_dl_bps: float = 1e9) -> dict[str, dict]:
@@ -194,79 +207,102 @@ def channel_links(rp: RoundPlan, fallback_dl_bps: float = 1e9) -> dict[str, dict
     as a constant; it gets a fast link (not a zero one) so the emulator still accounts it."""
     links = {}
     for name, d in rp.per_device.items():
-        ul = d.get("ul_rate_bps") or None
-        dl = d.get("dl_rate_bps") or None
-        if d["mode"] == "UL" or not dl:
+        ul = d.ul_rate_bps or None
+        dl = d.dl_rate_bps or None
+        if d.mode == "UL" or not dl:
             dl = fallback_dl_bps
         links[name] = {"ul_rate_bps": ul, "dl_rate_bps": dl}
     return links
 
 
-def round_record(rp: RoundPlan, *, policy: str, outcome: dict, verify_s: float | None, round_s: float,
-                 t_start_s: float, extra: dict | None = None) -> dict:
+def round_record(rp: RoundPlan, *, policy: str, outcomes: dict[str, DeviceOutcome], verify_s: float | None,
+                 round_s: float, t_start_s: float, extra: dict | None = None) -> dict:
     """Assemble one round record: per device and per phase, predicted next to measured.
 
-    `outcome[name]` holds what the edge saw for a device: n_accepted, tokens, bytes, timings, channel
-    annotations, edge-clock phase times; devices absent from `outcome` missed the deadline.
+    `outcomes[name]` is what the edge saw of a device; the plan's devices absent from it missed the round (no
+    draft by the deadline, a refused draft, or the device left during the round).
+    Tokens count only when the device's report confirmed that its verdict arrived (`report_late`: 0).
+    Every number in the record is finite (a non-finite one becomes null): the recorder writes strict JSON.
     """
+    devices = {name: _device_entry(rp, name, outcomes.get(name), round_s) for name in rp.devices}
+    present = [name for name in rp.devices if name in outcomes]
+    up_phases = [devices[n]["measured"]["up_phase_s"] for n in present]
+    # The DL phase is the shared DL of the distributions p_j; a verdict that carries a token is a short reply.
+    dl_phases = [devices[n]["measured"]["downlink_s"] for n in present
+                 if rp.per_device[n].mode == "DL" and outcomes[n].dl_payload == "p"]
+    up_phases = [t for t in up_phases if t is not None]
+    dl_phases = [t for t in dl_phases if t is not None]
+    tokens = sum(_credited(outcomes[n]) for n in present)
     plan = rp.plan
-    devices = {}
-    up_meas, dl_meas, tokens = [], [], 0
-    for name in rp.devices:
-        d = rp.per_device[name]
-        o = outcome.get(name)
-        pred = {
-            "draft_s": d.get("draft_s"),
-            "uplink_s": d.get("tx_s", None if d.get("uplink_s") is None else d["uplink_s"] - (d.get("draft_s") or 0.0)),
-            "up_phase_s": d.get("uplink_s"),
-            "downlink_s": d.get("downlink_s"),
-            "tokens": d.get("expected_tokens"),
-            "goodput_tps": d.get("goodput_tps"),
-            "ul_bits": d.get("ul_bits"), "dl_bits": d.get("dl_bits"),
-            "ul_rate_bps": d.get("ul_rate_bps"), "dl_rate_bps": d.get("dl_rate_bps"),
-        }
-        entry = {"mode": d["mode"], "draft_len": d["draft_len"], "ul_power_w": d.get("ul_power_w"),
-                 "dl_power_w": d.get("dl_power_w"), "estimate": rp.estimates.get(name), "predicted": pred}
-        if o is None:
-            entry.update({"missed": True, "measured": None})
-        else:
-            meas = {
-                "draft_s": o.get("draft_s"), "compute_s": o.get("compute_s"),
-                "emulated_extra_s": o.get("emulated_extra_s"), "compute_scale": o.get("compute_scale"),
-                "uplink_s": _air_time(o.get("ul_channel")),
-                "up_phase_s": o.get("up_phase_s"),
-                "downlink_s": _air_time(o.get("dl_channel")),
-                "tokens": o.get("tokens"),
-                "goodput_tps": (o.get("tokens") or 0) / round_s if round_s > 0 else None,
-                "ul_bytes": (o.get("ul_channel") or {}).get("bytes", o.get("ul_bytes")),
-                "dl_bytes": (o.get("dl_channel") or {}).get("bytes", o.get("dl_bytes")),
-            }
-            entry.update({"missed": False, "n_accepted": o.get("n_accepted"), "dl_payload": o.get("dl_payload"),
-                          "measured": meas, "ul_channel": o.get("ul_channel"), "dl_channel": o.get("dl_channel"),
-                          "report_late": o.get("report_late", False)})
-            if meas["up_phase_s"] is not None:
-                up_meas.append(meas["up_phase_s"])
-            if d["mode"] == "DL" and o.get("dl_payload") == "p" and meas["downlink_s"] is not None:
-                dl_meas.append(meas["downlink_s"])
-            tokens += o.get("tokens") or 0
-        devices[name] = entry
     phases = plan.get("phases_s", {})
     predicted = {"uplink_phase_s": phases.get("uplink"), "verify_s": phases.get("verify"),
                  "downlink_phase_s": phases.get("downlink"), "round_s": plan.get("round_time_s"),
-                 "tokens": float(sum((d.get("expected_tokens") or 0.0) for d in plan["devices"])),
+                 "tokens": float(sum(d.expected_tokens for d in rp.per_device.values())),
                  "goodput_tps": plan.get("goodput_tps")}
-    measured = {"uplink_phase_s": max(up_meas) if up_meas else None, "verify_s": verify_s,
-                "downlink_phase_s": max(dl_meas) if dl_meas else 0.0, "round_s": round_s, "tokens": tokens,
+    measured = {"uplink_phase_s": max(up_phases) if up_phases else None, "verify_s": verify_s,
+                "downlink_phase_s": max(dl_phases) if dl_phases else 0.0, "round_s": round_s, "tokens": tokens,
                 "goodput_tps": tokens / round_s if round_s > 0 else None}
     rec = {"round": rp.round, "t_start_s": t_start_s, "policy": policy,
-           "num_ul": sum(1 for n in rp.devices if rp.per_device[n]["mode"] == "UL"),
+           "num_ul": sum(1 for n in rp.devices if rp.per_device[n].mode == "UL"),
            "devices": devices, "predicted": predicted, "measured": measured,
            "verify_model": {"t0_s": rp.scenario.verify_t0_s, "t1_s": rp.scenario.verify_t1_s},
            "round_overhead_s": rp.scenario.round_overhead_s,
-           "missed": [n for n in rp.devices if n not in outcome]}
+           "missed": [n for n in rp.devices if n not in outcomes]}
     if extra:
         rec.update(extra)
-    return rec
+    return _finite(rec)
+
+
+def _credited(o: DeviceOutcome) -> int:
+    """The tokens a device's round is credited with: none unless its report confirmed the verdict arrived."""
+    return 0 if o.report_late else (o.tokens or 0)
+
+
+def _finite(obj):
+    """`obj` with every non-finite float (NaN, +-inf) replaced by None, recursively (dicts, lists, tuples)."""
+    if isinstance(obj, (float, np.floating)):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: float) -> dict:
+    """One device's part of the round record: its schedule, the prediction and (unless missed) the measurement."""
+    d = rp.per_device[name]
+    predicted = {
+        "draft_s": d.draft_s, "uplink_s": d.tx_s, "up_phase_s": d.uplink_s, "downlink_s": d.downlink_s,
+        "tokens": d.expected_tokens, "goodput_tps": d.goodput_tps, "ul_bits": d.ul_bits, "dl_bits": d.dl_bits,
+        "ul_rate_bps": d.ul_rate_bps, "dl_rate_bps": d.dl_rate_bps,
+    }
+    entry = {"mode": d.mode, "draft_len": d.draft_len, "ul_power_w": d.ul_power_w, "dl_power_w": d.dl_power_w,
+             "estimate": rp.estimates.get(name), "predicted": predicted}
+    if o is None:
+        entry.update({"missed": True, "measured": None})
+        return entry
+    tm = o.timings
+    measured = {
+        "draft_s": tm.get("draft_s"), "compute_s": tm.get("compute_s"),
+        "emulated_extra_s": tm.get("emulated_extra_s"), "compute_scale": tm.get("compute_scale"),
+        "uplink_s": _air_time(o.ul_channel), "up_phase_s": o.up_phase_s, "downlink_s": _air_time(o.dl_channel),
+        "tokens": _credited(o), "goodput_tps": _credited(o) / round_s if round_s > 0 else None,
+        "tokens_sent": o.tokens,  # what the verdict carried, confirmed or not
+        # What the channel charged when an emulator is in between; else the bytes the edge saw.
+        "ul_bytes": _bytes(o.ul_channel, o.ul_bytes),
+        "dl_bytes": _bytes(o.dl_channel, o.dl_bytes),
+    }
+    entry.update({"missed": False, "n_accepted": o.n_accepted, "dl_payload": o.dl_payload, "measured": measured,
+                  "ul_channel": o.ul_channel, "dl_channel": o.dl_channel, "report_late": o.report_late,
+                  "verdict_unconfirmed": o.report_late})
+    return entry
+
+
+def _bytes(ch: dict | None, counted: int) -> int:
+    """The bytes the channel charged (its annotation), else the edge's own count of the message's frames."""
+    charged = (ch or {}).get("bytes")
+    return counted if charged is None else charged
 
 
 def _air_time(ch: dict | None) -> float | None:

@@ -1,26 +1,75 @@
-"""Starting and stopping the processes of a run, and the live run itself (edge in this process).
+"""Starting and stopping the processes of a run; `run_live`, the whole live run (edge in this process).
 
 Emulation: the channel emulator and one device process per scenario device are started here (ipc://
 sockets in a private temp dir); the edge server runs in this process. LAN: only the edge (and, if the
 profile asks for a channel emulator, the emulator) start here; devices connect from other hosts.
-Every process started is stopped by its own id at the end, also on errors and Ctrl-C.
+Every process started is stopped by its own id at the end, also on errors, Ctrl-C and SIGTERM.
+How a run is built and driven, step by step, is in `testbed.session`.
+
+Children die with their parent: on Linux each child asks the kernel (``prctl(PR_SET_PDEATHSIG, SIGTERM)``)
+to be sent SIGTERM when the thread that started it exits, so even ``kill -9`` of ``multispin run`` leaves
+no emulator or device behind. Fallback where prctl is missing (not Linux): a device still leaves on its
+own once the edge is silent for its liveness window (exit status 7), while an emulator started by a run
+that was killed with SIGKILL must be stopped by hand (its pid is in the run's meta.json).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import importlib.util
 import logging
 import os
+import re
+import signal
+import site
+import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+from testbed.errors import TestbedError
 from testbed.profile import Profile
 
 log = logging.getLogger("multispin.launcher")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# The folder that holds the testbed, device_node and channel_emulator packages: a checkout or site-packages.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child process: it imports the very packages this process runs."""
+    env = dict(os.environ)
+    site_dirs = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if PACKAGE_ROOT not in site_dirs:
+        # Running from a checkout (installed editable, or not at all): put it first. An installed package
+        # needs nothing, and site-packages on PYTHONPATH would come before the standard library.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def die_with_parent():
+    """A `preexec_fn` that makes the child receive SIGTERM when its parent dies (Linux), or None where the
+    kernel offers no such thing (see the module docstring for the fallback)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl: nobody would signal us
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 class Launcher:
@@ -32,29 +81,39 @@ class Launcher:
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs = []
         self.device_connect: str | None = None  # where devices connect in this run
+        self.keys_dir: str | None = None  # with CURVE keys: devices use <keys_dir>/clients/<name>/
 
-    def start(self, label: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         fh = open(self.log_dir / f"{label}.log", "ab")
         self._logs.append(fh)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
+        # The caller's working directory: relative paths in the profile mean what they meant there.
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})},
+                                preexec_fn=die_with_parent())
         self.procs[label] = proc
         log.debug("started %s (pid %d): %s", label, proc.pid, " ".join(argv))
         return proc
 
-    def start_channel(self, frontend: str, edge: str, control: str, mode: str, spin_s: float) -> subprocess.Popen:
-        return self.start("channel", [sys.executable, "-m", "channel_emulator.proxy", "--frontend", frontend,
-                                      "--edge", edge, "--control", control, "--mode", mode, "--spin-s", str(spin_s)])
+    def start_channel(self, frontend: str, edge: str, control: str, mode: str, spin_s: float, *,
+                      token: str | None = None, keys_dir: str | None = None) -> subprocess.Popen:
+        """The emulator; `token` (its control token) travels in the environment, never on the command line."""
+        from channel_emulator.proxy import TOKEN_ENV
+
+        argv = [sys.executable, "-m", "channel_emulator.proxy", "--frontend", frontend, "--edge", edge,
+                "--control", control, "--mode", mode, "--spin-s", str(spin_s)]
+        if keys_dir:
+            argv += ["--keys", str(keys_dir)]
+        return self.start("channel", argv, env={TOKEN_ENV: token} if token else None)
 
     def start_device(self, label: str, connect: str, draft_onnx: str, hardware: str | None,
                      name: str | None = None) -> subprocess.Popen:
         """A device process; `label` names its log (and process), `name` its device name (default: label)."""
-        argv = [sys.executable, "-m", "device_node.node", "--connect", connect, "--name", name or label,
+        name = name or label
+        argv = [sys.executable, "-m", "device_node.node", "--connect", connect, "--name", name,
                 "--draft", str(draft_onnx)]
         if hardware:
             argv += ["--hardware", hardware]
+        if self.keys_dir:
+            argv += ["--keys", str(Path(self.keys_dir) / "clients" / name)]
         return self.start(f"device-{label}", argv)
 
     def kill(self, label: str) -> None:
@@ -66,9 +125,27 @@ class Launcher:
     def failed(self) -> dict[str, int]:
         return {k: p.returncode for k, p in self.procs.items() if p.poll() is not None and p.returncode != 0}
 
+    def pids(self) -> dict[str, int]:
+        return {k: p.pid for k, p in self.procs.items()}
+
+    def last_line(self, label: str) -> str:
+        """The last non-empty line of a process's log (what a failed child said last)."""
+        try:
+            with open(self.log_dir / f"{label}.log", "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - 4096))
+                lines = [ln.strip() for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
     def stop_all(self, grace_s: float = 10.0) -> dict[str, int | None]:
+        """Give the devices `grace_s` to exit on their own (they leave on `bye`), then terminate by pid what
+        still runs, and kill what ignores that. Returns each process's exit status."""
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():  # devices exit on 'bye'; give them a moment first
+        for label, proc in self.procs.items():
+            if label == "channel":  # the emulator leaves on a `stop` request only: no point waiting for it
+                continue
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -87,19 +164,162 @@ class Launcher:
         return {k: p.returncode for k, p in self.procs.items()}
 
 
+# --- signals --------------------------------------------------------------------------------------------
+
+class RunInterrupted(KeyboardInterrupt):
+    """Raised in the main thread by SIGINT, SIGTERM or SIGHUP during a run; `signum` says which."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Interrupts:
+    """While active: the first SIGINT/SIGTERM/SIGHUP raises `RunInterrupted`; after `shield()` (the run is
+    shutting down) further signals are logged, not raised, so that stopping the children and writing the
+    run directory complete."""
+
+    SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+    def __init__(self):
+        self.received: int | None = None
+        self.shielded = False
+
+    def handler(self, signum, frame) -> None:
+        if self.shielded or self.received is not None:
+            log.warning("%s received while the run shuts down; finishing the shutdown first",
+                        signal.Signals(signum).name)
+            return
+        self.received = signum
+        raise RunInterrupted(signum)
+
+    def shield(self) -> None:
+        self.shielded = True
+
+
+_active: _Interrupts | None = None
+
+# How a run ended (meta.json and summary.json `status`).
+COMPLETE, INCOMPLETE, INTERRUPTED, FAILED = "complete", "incomplete", "interrupted", "failed"
+
+
+def status_of(exc: BaseException) -> tuple[str, str]:
+    """(status, reason) of a run that ended with `exc`."""
+    if isinstance(exc, RunInterrupted):
+        return INTERRUPTED, f"interrupted by {signal.Signals(exc.signum).name}"
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED, "interrupted (Ctrl-C)"
+    if isinstance(exc, TestbedError):
+        return FAILED, str(exc)
+    return FAILED, f"{type(exc).__name__}: {exc}"
+
+
+@contextmanager
+def interrupt_signals():
+    """SIGTERM (and SIGHUP) end a run like Ctrl-C: `RunInterrupted`, a KeyboardInterrupt, in the main thread.
+
+    Nested uses share the outer guard; outside the main thread (where Python cannot install handlers) the
+    guard does nothing."""
+    global _active
+    if _active is not None:
+        yield _active
+        return
+    guard = _Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield guard
+        return
+    previous = {s: signal.signal(s, guard.handler) for s in guard.SIGNALS}
+    _active = guard
+    try:
+        yield guard
+    finally:
+        _active = None
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# --- ports ----------------------------------------------------------------------------------------------
+
+_TCP = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>\d+)$")
+
+
+def tcp_port(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) of a ``tcp://HOST:PORT`` endpoint with a fixed port; None for anything else."""
+    m = _TCP.match(endpoint or "")
+    if not m or int(m["port"]) == 0:
+        return None
+    host = m["host"].strip("[]")
+    return ("" if host in ("*", "0.0.0.0") else host), int(m["port"])
+
+
+def port_holder(port: int) -> str | None:
+    """'pid N (command)' of the process listening on a TCP port, read from /proc (Linux; None elsewhere or
+    when the process is not visible to this user)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+                return f"pid {proc.name} ({cmd[:120]})"
+        except OSError:
+            continue
+    return None
+
+
+def port_in_use(what: str, endpoint: str, port: int) -> TestbedError:
+    holder = port_holder(port)
+    by = f" by {holder}" if holder else ""
+    return TestbedError(f"{what} {endpoint}: port {port} is already in use{by}; stop that process or choose "
+                        f"another port")
+
+
+def check_ports_free(endpoints: dict[str, str | None]) -> None:
+    """Raise a TestbedError naming the port (and its holder) when a TCP endpoint to bind is taken.
+
+    `endpoints`: what -> endpoint, e.g. {"endpoints.edge_bind": "tcp://0.0.0.0:5555"}."""
+    for what, ep in endpoints.items():
+        hp = tcp_port(ep) if ep else None
+        if hp is None:
+            continue
+        host, port = hp
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except socket.gaierror:
+                continue  # an interface name ZeroMQ resolves itself
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise port_in_use(what, ep, port) from None
+                raise TestbedError(f"{what} {ep}: cannot bind: {exc.strerror}") from None
+
+
 # --- model pair --------------------------------------------------------------------------------------
 
 def resolve_pair(profile: Profile, progress: bool = True) -> dict:
     """Paths of the target, the draft ONNX and the tokenizer (builds the default pair on first need)."""
     m = profile.model
     if m.pair == "local":
-        paths = {k: str(Path(v).expanduser()) for k, v in
+        # Absolute: device processes get the draft's path on their command line.
+        paths = {k: str(Path(v).expanduser().resolve()) for k, v in
                  (("target", m.target), ("draft_onnx", m.draft_onnx), ("tokenizer", m.tokenizer))}
         for k, v in paths.items():
             if not Path(v).exists():
-                from testbed.cli import CliError
-
-                raise CliError(f"model.{k}: {v!r} does not exist")
+                raise TestbedError(f"model.{k}: {v!r} does not exist")
         return paths
     from edge_node.model_pair import ensure_default_pair
 
@@ -117,158 +337,44 @@ def load_tokenizer(path: str):
     return Tokenizer.from_file(str(p))
 
 
+def require_edge_extra() -> None:
+    """The edge runs the PyTorch target: without the [edge] extra, say what to install (no import traceback)."""
+    missing = [m for m in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise TestbedError(f"the edge needs {', '.join(missing)}, not installed here; "
+                           "install them with: pip install 'multispin-testbed[edge]'")
+
+
 # --- the live run --------------------------------------------------------------------------------------
 
 def run_live(profile: Profile, run_dir: Path, *, progress: bool = True, start_devices: bool | None = None,
-             bind: str | None = None, on_round=None, pair: dict | None = None) -> dict:
-    """Run a whole live session and write the run directory; returns the summary dict."""
-    from channel_emulator.state import ChannelState
-    from device_node.hardware import load_hardware
-    from edge_node.server import EdgeServer
-    from edge_node.verifier import BatchedVerifier, load_target
-    from testbed import report
-    from testbed.controller import Controller
-    from testbed.core.sampling import SamplingParams
+             bind: str | None = None, on_round=None, pair: dict | None = None, resume=None) -> dict:
+    """Run a whole live session and write the run directory; returns the summary dict.
+
+    `start_devices`: start one device process per scenario device (default: the profile's choice, emulation
+    only); `bind`: the edge endpoint (default: the profile's, else a private ipc:// socket);
+    `on_round(record, server, launcher)`: called after each round; `pair`: paths from `resolve_pair`;
+    `resume`: a `testbed.session.Resume` (from `load_resume`) to continue an interrupted run in `run_dir`.
+    Raises TestbedError for what the user can fix (model files, prompts, no device registered, ports, keys);
+    SIGTERM and Ctrl-C raise `RunInterrupted` (a KeyboardInterrupt). Whatever happens, the run directory
+    gets meta.json and summary.json with the run's status (complete, incomplete, interrupted or failed).
+    """
+    require_edge_extra()
     from testbed.records import RunRecorder
 
-    run_dir = Path(run_dir)
-    recorder = RunRecorder(run_dir)
-    pair = pair or resolve_pair(profile, progress=progress)
-    tokenizer = load_tokenizer(pair["tokenizer"])
-    model = load_target(pair["target"], device=profile.model.device)
-    verifier = BatchedVerifier(model, device=profile.model.device, threads=profile.model.threads)
-    vocab = verifier.vocab_size
-    scenario = profile.scenario_obj(vocab)
-    if profile.on_air_vocab_size and profile.on_air_vocab_size < vocab:
-        from testbed.cli import CliError
-
-        raise CliError(f"on_air_vocab_size: {profile.on_air_vocab_size} is smaller than the model's vocabulary {vocab}")
-    names = [d.name for d in scenario.devices]
-    hardware = {n: load_hardware(profile.hardware.get(n)) for n in names}
-    channel_state = None
-    if profile.channel.state is not None:
-        channel_state = ChannelState.from_config(
-            {**profile.channel.state, "seed": profile.channel.state.get("seed", profile.seed)},
-            [d for d in profile.scenario["devices"]])
-    controller = Controller(scenario, policy=profile.policy, fixed_length=profile.fixed_length, seed=profile.seed,
-                            channel_state=channel_state,
-                            compute_scale={n: h.compute_scale for n, h in hardware.items()},
-                            alpha_prior_trials=profile.estimator.alpha_prior_trials,
-                            draft_time_window=profile.estimator.draft_time_window,
-                            fit_verify_after=profile.estimator.fit_verify_after,
-                            pin_mode=profile.pin.mode, pin_draft_len=profile.pin.draft_len,
-                            fit_round_overhead=profile.estimator.fit_round_overhead)
-    texts = profile.prompt_list()
-    prompts = []
-    for t in texts:
-        ids = tokenizer.encode(t).ids
-        if not ids:
-            from testbed.cli import CliError
-
-            raise CliError(f"prompt {t!r} encodes to no tokens")
-        prompts.append(ids)
-
-    start_devices = profile.start_devices and profile.deployment == "emulation" if start_devices is None \
-        else start_devices
-    ep = profile.endpoints
-    tmp = tempfile.mkdtemp(prefix="ms-")  # short paths: ipc:// names are limited to ~100 bytes
-    edge_bind = bind or ep.edge_bind or f"ipc://{tmp}/edge"
-    mode = profile.channel.mode
-    launcher = Launcher(run_dir / "logs")
-    channel = None
-    server = None
-    recorder.write_meta(profile.snapshot(), channel_mode=mode, model=pair, vocab_size=vocab,
-                        hardware={n: h.to_dict() for n, h in hardware.items()}, run_dir=str(run_dir),
-                        status="running")
-    try:
-        server = EdgeServer(edge_bind, verifier, scenario=scenario, controller=controller, prompts=prompts,
-                            sampling=SamplingParams(**profile.sampling.model_dump()), seed=profile.seed,
-                            deadline_s=profile.deadline_s, max_misses=profile.max_misses,
-                            max_new_tokens=profile.max_new_tokens, on_air_vocab_size=profile.on_air_vocab_size,
-                            vocab_size=vocab, channel_mode=mode, base_latency_s=profile.channel.base_latency_s,
-                            recorder=recorder, policy=profile.policy, prompt_texts=texts)
-        device_connect = server.endpoint
-        if mode != "passthrough":
-            from channel_emulator.proxy import ChannelControl
-
-            front = ep.channel_frontend or f"ipc://{tmp}/front"
-            control = ep.channel_control or f"ipc://{tmp}/control"
-            edge_for_channel = server.endpoint.replace("0.0.0.0", "127.0.0.1")
-            launcher.start_channel(front, edge_for_channel, control, mode, profile.channel.spin_s)
-            channel = ChannelControl(control, timeout_s=10.0)
-            channel.stats()  # waits until the emulator answers
-            device_connect = front.replace("0.0.0.0", "127.0.0.1") if start_devices else (ep.device_connect or front)
-        launcher.device_connect = device_connect
-        if start_devices:
-            for n in names:
-                launcher.start_device(n, device_connect, pair["draft_onnx"], profile.hardware.get(n))
-        server.channel = channel
-        missing = server.wait_for_devices(names, profile.wait_for_devices_s)
-        if missing:
-            failed = launcher.failed()
-            detail = f"; exited: {failed} (logs in {run_dir / 'logs'})" if failed else ""
-            if len(missing) == len(names):
-                from testbed.cli import CliError
-
-                raise CliError(f"no device registered within {profile.wait_for_devices_s} s{detail}")
-            log.warning("devices %s did not register; running without them%s", missing, detail)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=profile.rounds, unit="round", desc=f"{profile.name} [{profile.policy}]")
-        tokens = [0]
-
-        def _on_round(rec):
-            tokens[0] += rec["measured"]["tokens"]
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(tok=tokens[0], ul=rec["num_ul"], meas=f"{rec['measured']['goodput_tps'] or 0:.1f}",
-                                pred=f"{rec['predicted']['goodput_tps'] or 0:.1f}", refresh=False)
-            if on_round is not None:
-                on_round(rec, server, launcher)
-
-        records = server.run(profile.rounds, on_round=_on_round)
-        if bar is not None:
-            bar.close()
-        sessions = server.finish()
-        outputs = {}
-        for n, s in sessions.items():
-            outputs[n] = {"session": s.sid, "prompt": texts[sorted(server.known).index(n) % len(texts)],
-                          "prompt_tokens": len(s.prompt_ids), "output_tokens": len(s.output_ids),
-                          "output_ids": s.output_ids, "text": tokenizer.decode(s.output_ids),
-                          "rounds": s.rounds, "accepted": s.accepted, "drafted": s.drafted,
-                          "acceptance": s.accepted / s.drafted if s.drafted else None,
-                          "hardware": s.hardware}
-        recorder.write_outputs(outputs)
-        summary = report.summarize(records)
-        summary["refused_messages"] = server.refused
-        if channel is not None:
-            try:
-                summary["channel_stats"] = channel.stats()
-                channel.stop()
-            except (TimeoutError, RuntimeError) as exc:
-                log.warning("channel emulator: %s", exc)
-        recorder.write_summary(summary)
-        recorder.update_meta(status="complete")
-        return summary
-    except BaseException:
-        recorder.update_meta(status="failed")
-        raise
-    finally:
-        if server is not None:
-            server.close()
-        if channel is not None:
-            channel.close()
-        codes = launcher.stop_all(grace_s=5.0)
-        recorder.update_meta(processes=codes)
-        recorder.close()
-        for f in Path(tmp).glob("*"):
-            try:
-                f.unlink()
-            except OSError:
-                pass
+    with interrupt_signals():
+        recorder = RunRecorder(run_dir)  # a clear error now if the runs directory is not writable
         try:
-            os.rmdir(tmp)
-        except OSError:
-            pass
+            if resume is None:
+                recorder.write_meta(profile.snapshot(), status="running", pid=os.getpid())
+            else:
+                recorder.update_meta(status="running", reason=None, pid=os.getpid())
+            pair = pair or resolve_pair(profile, progress=progress)
+            from testbed.session import build_session, run_session  # loads torch: only once a run can start
+
+            session = build_session(profile, run_dir, pair, start_devices=start_devices, bind=bind, resume=resume)
+        except BaseException as exc:
+            recorder.end_run(*status_of(exc))
+            recorder.close()
+            raise
+        return run_session(session, progress=progress, on_round=on_round, recorder=recorder)

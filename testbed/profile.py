@@ -10,21 +10,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from channel_emulator import DEFAULT_SPIN_S
 from testbed import PROFILES_DIR
+from testbed.errors import TestbedError
 
 DEFAULT_PROFILE = PROFILES_DIR / "emulation.yaml"
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"
 
 
-class ProfileError(ValueError):
+class ProfileError(TestbedError, ValueError):
     """A profile that cannot be used; the message names the field."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No infinities or NaN anywhere in a profile: `deadline_s: .inf` would wait forever.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Endpoints(_Strict):
@@ -86,6 +88,13 @@ class PinSettings(_Strict):
     draft_len: int | None = Field(default=None, ge=1)
 
 
+class SecuritySettings(_Strict):
+    keys: str = Field(description="key directory from `multispin keys generate` (on the edge host)")
+
+
+INSECURE = "insecure"
+
+
 class Profile(_Strict):
     name: str = "unnamed"
     deployment: Literal["emulation", "lan"] = "emulation"
@@ -110,6 +119,15 @@ class Profile(_Strict):
     device_threads: int = Field(default=1, ge=1)
     start_devices: bool = Field(default=True, description="emulation: start one process per scenario device")
     wait_for_devices_s: float = Field(default=120.0, gt=0, description="time to wait for devices to register")
+    # None: loopback only (ipc://, 127.x); {keys: DIR}: CURVE on every socket; "insecure": a LAN without keys.
+    security: SecuritySettings | Literal["insecure"] | None = None
+
+    @field_validator("security", mode="before")
+    @classmethod
+    def _security_form(cls, value):
+        if value is None or value == INSECURE or isinstance(value, (dict, SecuritySettings)):
+            return value
+        raise ValueError("must be 'insecure' or a mapping {keys: DIR} (omit it for loopback-only endpoints)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -129,6 +147,16 @@ class Profile(_Strict):
         return self
 
     # -- derived ---------------------------------------------------------------------------------
+    @property
+    def keys_dir(self) -> str | None:
+        """The CURVE key directory (`security: {keys: DIR}`), or None."""
+        return self.security.keys if isinstance(self.security, SecuritySettings) else None
+
+    @property
+    def insecure(self) -> bool:
+        """`security: insecure`: serve non-loopback endpoints without keys (logged at every start)."""
+        return self.security == INSECURE
+
     def scenario_obj(self, vocab_size: int | None = None):
         """The analytic scenario; `vocab_size` (the model's) is replaced by the on-air size when set."""
         from testbed.scenario_file import load_scenario
@@ -177,10 +205,14 @@ def load_profile(source: str | Path | dict | None = None, overrides: dict | None
         if not isinstance(data, dict):
             raise ProfileError(f"{path}: must be a YAML mapping")
         where = str(path)
-        # Relative file references resolve against the profile's folder.
+        # Relative file references resolve against the profile's folder (absolute in the run's snapshot,
+        # which --resume loads from anywhere).
         for key in ("prompts_file",):
             if data.get(key) and not Path(data[key]).is_absolute():
                 data[key] = str((path.parent / data[key]).resolve())
+        sec = data.get("security")
+        if isinstance(sec, dict) and isinstance(sec.get("keys"), str) and not Path(sec["keys"]).is_absolute():
+            data["security"] = {**sec, "keys": str((path.parent / sec["keys"]).expanduser().resolve())}
     for key, value in (overrides or {}).items():
         _set_dotted(data, key, value)
     try:
@@ -201,6 +233,13 @@ def load_profile(source: str | Path | dict | None = None, overrides: dict | None
     unknown = sorted(set(profile.hardware) - names)
     if unknown:
         raise ProfileError(f"{where}: hardware: device(s) {unknown} not in scenario.devices {sorted(names)}")
+    from device_node.hardware import load_hardware
+
+    for name, hw in profile.hardware.items():
+        try:
+            load_hardware(hw)  # an unknown name fails here, not in a device process minutes later
+        except ValueError as exc:
+            raise ProfileError(f"{where}: hardware.{name}: {exc}") from None
     return profile
 
 

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from channel_emulator.proxy import ChannelControl
-from testbed.wire.protocol import decode_header, encode_header, tx_start_marker
+from testbed.wire.protocol import ProtocolError, decode_header, encode_header, tx_start_marker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,8 +200,10 @@ def test_malformed_input_does_not_kill_the_proxy(bench):
         bench.control.configure(dl_access="ofdma")
     with pytest.raises(RuntimeError, match=r"links\['dev-a'\].ul_rate_bps=-5"):
         bench.control.configure(links={"dev-a": {"ul_rate_bps": -5}})
-    with pytest.raises(RuntimeError, match="base_latency_s"):
+    with pytest.raises(ProtocolError, match="base_latency_s"):  # strict JSON: refused before it is sent
         bench.control.configure(base_latency_s=float("nan"))
+    bench.control.sock.send(b'{"v": 1, "type": "configure", "base_latency_s": NaN}')
+    assert "not JSON" in json.loads(bench.control.sock.recv())["error"]
     bench.control.sock.send(b"{oops")
     reply = json.loads(bench.control.sock.recv())
     assert reply["ok"] is False and "not JSON" in reply["error"]

@@ -1,5 +1,5 @@
 """The ONNX drafter (device side): logits equal PyTorch's at every step, also after rollback; q is exactly
-the distribution each draft token was sampled from; the device never imports torch."""
+the distribution each draft token was sampled from; it is a `Drafter`; the device never imports torch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from device_node.drafter import OnnxDrafter
+from device_node.drafting import Draft, Drafter
 from testbed.core.sampling import (
     RoundRandomness,
     SamplingParams,
@@ -46,7 +47,9 @@ def test_onnx_logits_match_pytorch_every_step_including_after_rollback(micro_pai
     # cover full acceptance (cache keeps L-1, last draft re-fed), zero acceptance and partial acceptance
     plan = [(4, 4), (3, 0), (5, 2), (1, 1), (2, 0), (6, 6), (4, 3)]
     for n, n_acc in plan:
-        toks, q = d.draft(n, params, rng)
+        draft = d.draft(n, params, rng)
+        toks, q = draft.tokens, draft.q
+        assert isinstance(draft, Draft) and draft.wire is None and len(toks) == n
         ref = _ref_logits(torch_draft, ctx + toks[:-1])[len(ctx) - 1:]
         assert d.last_logits.shape == ref.shape == (n, d.vocab_size)
         np.testing.assert_allclose(d.last_logits, ref, atol=1e-4, rtol=0)
@@ -68,7 +71,8 @@ def test_greedy_drafts_equal_pytorch_greedy(micro_pair, torch_draft):
     d = OnnxDrafter(micro_pair.draft_onnx)
     prompt = [10, 20, 30, 40]
     d.reset(prompt)
-    toks, q = d.draft(8, SamplingParams(temperature=0), np.random.default_rng(0))
+    draft = d.draft(8, SamplingParams(temperature=0), np.random.default_rng(0))
+    toks, q = draft.tokens, draft.q
     ctx = list(prompt)
     for _ in range(8):
         ctx.append(int(_ref_logits(torch_draft, ctx)[-1].argmax()))
@@ -83,9 +87,9 @@ def test_drafting_is_reproducible_from_round_randomness(micro_pair):
         d.reset([1, 2, 3])
         out = []
         for r in range(3):
-            toks, _ = d.draft(3, SamplingParams(0.9, top_k=50), RoundRandomness(4, "dev", r).draft_generator())
+            draft = d.draft(3, SamplingParams(0.9, top_k=50), RoundRandomness(4, "dev", r).draft_generator())
             d.commit(1, 7)
-            out.append(toks)
+            out.append(draft.tokens)
         runs.append(out)
     assert runs[0] == runs[1]
 
@@ -93,15 +97,15 @@ def test_drafting_is_reproducible_from_round_randomness(micro_pair):
 @pytest.mark.parametrize("bits", [16, 32])
 def test_wire_bits_tokens_are_sampled_from_the_returned_wire_exact_q(micro_pair, bits):
     """With wire_bits, each token is sampled from q_exact = exact_from_wire(wire row), the rows returned;
-    they sum to 1 within 1e-12, equal exact_from_wire(last_wire) bit for bit, and are what the edge parses
+    they sum to 1 within 1e-12, equal exact_from_wire(wire) bit for bit, and are what the edge parses
     from the upload (UL) or receives at the tokens (DL). A low temperature makes float16 underflow happen."""
     d = OnnxDrafter(micro_pair.draft_onnx)
     d.reset([5, 9, 13, 17])
     underflow = 0
     for r, params in enumerate([SamplingParams(0.25), SamplingParams(1.0), SamplingParams(0.5, top_p=0.95)]):
         gen = RoundRandomness(8, "dev", r).draft_generator()
-        toks, q = d.draft(5, params, gen, wire_bits=bits)
-        w = d.last_wire
+        draft = d.draft(5, params, gen, wire_bits=bits)
+        toks, q, w = draft.tokens, draft.q, draft.wire
         assert q.dtype == np.float64 and w.dtype == np.dtype(f"float{bits}") and w.shape == q.shape == (5, d.vocab_size)
         # the wire rows are the transform of this round's logits cast once, q is f of them, bit for bit
         q32 = to_probs(d.last_logits.astype(np.float32), params)
@@ -134,13 +138,20 @@ def test_wire_bits_tokens_are_sampled_from_the_returned_wire_exact_q(micro_pair,
         d.commit(2, toks[2])
     if bits == 16:
         assert underflow > 0  # entries > 0 in float32 that the wire (and the sampling) makes 0
-    toks, q = d.draft(2, SamplingParams(), np.random.default_rng(0))  # without wire_bits: as before
-    assert d.last_wire is None and q.dtype == np.float32
+    draft = d.draft(2, SamplingParams(), np.random.default_rng(0))  # without wire_bits: as before
+    assert draft.wire is None and draft.q.dtype == np.float32
+
+
+def test_onnx_drafter_is_a_drafter(micro_pair):
+    assert isinstance(OnnxDrafter(micro_pair.draft_onnx), Drafter)
 
 
 def test_drafter_errors_are_clear(micro_pair, tmp_path):
     with pytest.raises(FileNotFoundError, match="nothere.onnx"):
         OnnxDrafter(tmp_path / "nothere.onnx")
+    (tmp_path / "garbage.onnx").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="garbage.onnx: not a loadable ONNX model"):
+        OnnxDrafter(tmp_path / "garbage.onnx")
     d = OnnxDrafter(micro_pair.draft_onnx)
     with pytest.raises(RuntimeError, match="reset"):
         d.draft(2, SamplingParams(), np.random.default_rng(0))

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import zmq
 
+from device_node.options import ExitCode
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 
@@ -73,7 +74,18 @@ def test_device_node_protocol(micro_pair, tmp_path):
         assert h["last_token"] == target and h["round"] == 1
         send(M.done("test over"))
         th.join(20)
-        assert result.get("rc") == 0
+        assert result.get("rc") == ExitCode.OK
     finally:
         node.close()
         edge.close(linger=0)
+
+
+def test_device_without_an_edge_exits_with_no_edge(micro_pair, tmp_path):
+    from device_node.drafter import OnnxDrafter
+    from device_node.node import DeviceNode
+
+    node = DeviceNode(f"ipc://{tmp_path}/nobody", "dev-y", OnnxDrafter(micro_pair.draft_onnx), register_timeout_s=0.3)
+    try:
+        assert node.run() == ExitCode.NO_EDGE == 3
+    finally:
+        node.close()

@@ -183,7 +183,7 @@ def _write_profile(path, pair, **overrides):
     return path
 
 
-# The `multispin` entry point (not `python -m testbed.cli`: there CliError would be a second class).
+# The `multispin` entry point's function, in this test's interpreter.
 CLI = [sys.executable, "-c", "import sys; from testbed.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from testbed import report
-from testbed.controller import Controller, round_record
+from testbed.controller import Controller, DeviceOutcome, round_record
 from testbed.profile import ProfileError, load_profile
 from testbed.records import RunRecorder, load_run
 from testbed.scenario_file import load_scenario
@@ -82,7 +82,7 @@ def test_controller_estimates():
     assert {d["name"] for d in rp.plan["devices"]} == {"a", "b"}
     assert rp.scenario.verify_t0_s == pytest.approx(0.01)
     pinned = Controller(scen, pin_mode="DL", pin_draft_len=3).plan_round(0, ["a"])
-    assert pinned.per_device["a"]["mode"] == "DL" and pinned.per_device["a"]["draft_len"] == 3
+    assert pinned.per_device["a"].mode == "DL" and pinned.per_device["a"].draft_len == 3
 
 
 def _fake_records(n=6):
@@ -91,14 +91,15 @@ def _fake_records(n=6):
     recs = []
     for r in range(n):
         rp = c.plan_round(r, ["a", "b"])
-        outcome = {}
+        outcomes = {}
         for name in ("a", "b"):
             d = rp.per_device[name]
-            outcome[name] = {"n_accepted": 1, "tokens": 2, "draft_s": d["draft_s"] * 1.1,
-                             "up_phase_s": d["uplink_s"] * 1.1, "dl_payload": "p",
-                             "ul_channel": {"mode": "real", "held_s": d["tx_s"] * 1.02, "bytes": 10},
-                             "dl_channel": {"mode": "real", "held_s": d["downlink_s"] * 0.98, "bytes": 10}}
-        recs.append(round_record(rp, policy="proposed", outcome=outcome, verify_s=rp.plan["phases_s"]["verify"] * 2,
+            outcomes[name] = DeviceOutcome(
+                n_accepted=1, tokens=2, dl_payload="p", ul_bytes=10, dl_bytes=10, up_phase_s=d.uplink_s * 1.1,
+                t_verdict=0.0, timings={"draft_s": d.draft_s * 1.1},
+                ul_channel={"mode": "real", "held_s": d.tx_s * 1.02, "bytes": 10},
+                dl_channel={"mode": "real", "held_s": d.downlink_s * 0.98, "bytes": 10})
+        recs.append(round_record(rp, policy="proposed", outcomes=outcomes, verify_s=rp.plan["phases_s"]["verify"] * 2,
                                  round_s=rp.plan["round_time_s"] * 1.5, t_start_s=float(r)))
     return recs
 

@@ -258,3 +258,33 @@ def test_a_token_whose_float32_q_underflows_in_float16_cannot_be_drafted():
                                               bits_per_prob=16, on_air_vocab=None, timings={})),
                           mode=mode, draft_len=1, vocab_size=3, bits_per_prob=16, on_air_vocab=None)
         assert d.q_at[0] == exact_from_wire(wire)[0, 1] > 0
+
+
+def test_registered_error_and_bye_roundtrip():
+    h, a = _roundtrip(M.registered("dev0#1", [3, 4, 5], seed=2**40, sampling={"temperature": 0.7, "top_k": 5,
+                                                                                "top_p": 0.9},
+                                   bits_per_prob=32, on_air_vocab_size=None, max_draft_len=6, tx_marker=False))
+    reg = M.parse_registered(h, a, vocab_size=10)
+    assert (reg.session, reg.prompt_ids, reg.seed, reg.bits_per_prob) == ("dev0#1", [3, 4, 5], 2**40, 32)
+    assert (reg.on_air_vocab_size, reg.max_draft_len, reg.tx_marker) == (None, 6, False)
+    assert reg.sampling == {"temperature": 0.7, "top_k": 5, "top_p": 0.9}
+    with pytest.raises(ProtocolError, match=r"registered.prompt_ids: ids in \[3, 5\] .* \[0, 5\)"):
+        M.parse_registered(h, a, vocab_size=5)
+    err = M.parse_error(_roundtrip(M.error("bad draft", round_index=3, fatal=True))[0])
+    assert (err.message, err.round, err.fatal) == ("bad draft", 3, True)
+    assert M.parse_bye(_roundtrip(M.done("run complete"))[0]) == "run complete"
+
+
+def test_schedule_powers_and_dropped_reason_are_parsed():
+    s = M.parse_schedule(_roundtrip(M.schedule(2, "UL", 3, 0.25, 0.5, 3.0))[0], max_draft_len=8)
+    assert (s.ul_power_w, s.dl_power_w, s.deadline_s) == (0.25, 0.5, 3.0)
+    v = M.parse_verdict(*_roundtrip(M.dropped(3, "late")), draft_len=4, vocab_size=40, bits_per_prob=16,
+                        on_air_vocab=None)
+    assert v.dropped and v.reason == "late"
+
+
+def test_register_hardware_keeps_scalars():
+    hw = {"name": "phone", "compute_scale": 3, "threads": 2, "description": "slow", "soc": "x1", "npu": False}
+    reg = M.parse_register(_roundtrip(M.register("dev0", 50, hw))[0])
+    assert reg.hardware == {**hw, "compute_scale": 3.0} and reg.vocab_size == 50
+    assert M.parse_register({"type": "register", "name": "d", "vocab_size": 3}).hardware == {}

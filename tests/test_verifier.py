@@ -112,9 +112,9 @@ def test_speculative_loop_with_onnx_drafter_and_batched_verifier(micro_pair, tar
         items, qs = [], {}
         for name in prompts:
             rr = RoundRandomness(3, name, rnd)
-            toks, q = drafters[name].draft(4, params, rr.draft_generator())
-            items.append((name, pending[name], toks))
-            qs[name] = q
+            d = drafters[name].draft(4, params, rr.draft_generator())
+            items.append((name, pending[name], d.tokens))
+            qs[name] = d.q
         for (name, _, toks), logits in zip(items, v.verify(items)):
             rr = RoundRandomness(3, name, rnd)
             n_acc, nxt = speculative_round(toks, qs[name], to_probs(logits, params), rr)

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def pair_paths(which: str):
     from edge_node.model_pair import MICRO_CONFIG, PairPaths, build_pair, ensure_default_pair
@@ -37,15 +35,7 @@ def in_process(paths, prompt_ids, rounds, L, seed, params, bits, name="d0", thre
     """The same round as the testbed's edge + device, in one process with no messages."""
     from device_node.drafter import OnnxDrafter
     from edge_node.verifier import BatchedVerifier, load_target
-    from testbed.core.sampling import (
-        RoundRandomness,
-        count_accepted,
-        exact_from_wire,
-        sample_correction,
-        sample_from,
-        to_probs,
-        to_wire_precision,
-    )
+    from testbed.core.sampling import RoundRandomness, exact_from_wire, to_probs, to_wire_precision, verify_draft
 
     drafter = OnnxDrafter(paths.draft_onnx, threads=1)
     verifier = BatchedVerifier(load_target(paths.target_dir, device=device), device=device, threads=threads)
@@ -56,12 +46,13 @@ def in_process(paths, prompt_ids, rounds, L, seed, params, bits, name="d0", thre
         t0 = time.perf_counter()
         rr = RoundRandomness(seed, name, r)
         # As the device and the edge do: q sampled through the wire precision, p = f(wire rows of p).
-        toks, q = drafter.draft(L, params, rr.draft_generator(), wire_bits=bits)
+        drafted = drafter.draft(L, params, rr.draft_generator(), wire_bits=bits)
+        toks, q = drafted.tokens, drafted.q
         logits = verifier.verify([("s", pending, toks)])[0]
         p = exact_from_wire(to_wire_precision(to_probs(np.asarray(logits, dtype=np.float32), params), bits))
-        idx = np.arange(L)
-        n = count_accepted(toks, q[idx, toks], p[idx, toks], rr.acceptance_uniforms(L))
-        token = sample_correction(p[n], q[n], rr.final_uniform()) if n < L else sample_from(p[L], rr.final_uniform())
+        # The edge's own decision; UL mode, so the correction (if any) is sampled here as well.
+        verdict = verify_draft(p, q[np.arange(L), toks], q, toks, "UL", rr)
+        n, token = verdict.n_accepted, verdict.token
         verifier.commit("s", n)
         drafter.commit(n, token)
         pending = [token]

@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.bench_common import interleaved_medians  # noqa: E402
-from tools.bench_drafter import pick_pair  # noqa: E402
+# tools/ is on sys.path when a script here runs; the testbed packages come from the installed project.
+from bench_common import interleaved_medians
+from bench_drafter import pick_pair
 
 
 def main() -> int:

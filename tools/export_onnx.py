@@ -6,11 +6,8 @@ Same as `multispin models export`.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from testbed.cli import main  # noqa: E402
+from testbed.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["models", "export", *sys.argv[1:]]))

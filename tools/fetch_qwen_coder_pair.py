@@ -25,8 +25,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 @dataclass(frozen=True)
 class GgufSource:

@@ -5,12 +5,9 @@
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from testbed.cli import CliError  # noqa: E402
-from testbed.commands import channel  # noqa: E402
+from testbed.commands import channel
+from testbed.errors import TestbedError
 
 
 def main(argv: list[str]) -> int:
@@ -19,7 +16,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(["channel", "validate", *argv])
     try:
         return int(args.handler(args) or 0)
-    except CliError as exc:
+    except TestbedError as exc:  # the command's CliError is one
         print(f"validate_channel: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,4 +1,5 @@
-"""`multispin channel`: run the channel emulator standalone (`serve`) or validate it on real messages."""
+"""`multispin channel`: run the channel emulator standalone (`serve`), validate it on real messages, or measure
+a real link (`probe`)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,32 @@ def register(subparsers) -> None:
                    help="real: hold messages for their air time; virtual: forward at once, annotate only")
     s.add_argument("--spin-s", type=float, default=DEFAULT_SPIN_S, help="busy-wait window before a deadline (s)")
     s.add_argument("--marker-ttl-s", type=float, default=5.0, help="ignore tx_start markers older than this")
+    s.add_argument("--keys", default=None, metavar="DIR",
+                   help="key directory (multispin keys generate): CURVE on the frontend, control and edge links; "
+                        "without it, set MULTISPIN_CHANNEL_TOKEN to require a token on the control socket")
     s.set_defaults(handler=_serve)
+
+    pr = sub.add_parser("probe", help="measure a real link's rate, latency and jitter (size-swept ping-pong)",
+                        description="Run the echo server on one end (--serve) and measure from the other "
+                                    "(--connect): upload and download rates from the slope of round trip "
+                                    "against size, latency and jitter from tiny echoes. No clock sync needed.")
+    g = pr.add_mutually_exclusive_group(required=True)
+    g.add_argument("--connect", metavar="tcp://HOST:PORT", help="measure the link to this probe server")
+    g.add_argument("--serve", metavar="tcp://0.0.0.0:PORT", help="run the echo server here")
+    pr.add_argument("--once", action="store_true", help="--serve: exit after the first client disconnects")
+    pr.add_argument("--direction", choices=["both", "up", "down"], default="both",
+                    help="which rates to measure (up: this host to the server)")
+    pr.add_argument("--target-s", type=float, default=0.25,
+                    help="grow the transfer size until one round trip takes this long (s)")
+    pr.add_argument("--repeats", type=int, default=3, help="round trips per size")
+    pr.add_argument("--points", type=int, default=5, help="sizes per direction, from a quarter of the top to it")
+    pr.add_argument("--pings", type=int, default=20, help="tiny echoes for latency and jitter")
+    pr.add_argument("--max-bytes", type=int, default=64 * 2 ** 20, help="largest transfer (bytes)")
+    pr.add_argument("--budget-s", type=float, default=30.0, help="time budget of the rate sweeps (s)")
+    pr.add_argument("--timeout-s", type=float, default=10.0, help="socket timeout (s)")
+    pr.add_argument("--out", help="also write the result as JSON to this file")
+    pr.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+    pr.set_defaults(handler=_probe)
 
 
 def _validate(args) -> int:
@@ -95,9 +121,42 @@ def _validate(args) -> int:
 
 def _serve(args) -> int:
     from channel_emulator.proxy import run_proxy
+    from testbed.cli import CliError
+    from testbed.security import SecurityError
 
     print(f"channel emulator ({args.mode}): devices -> {args.frontend}, edge at {args.edge}, "
           f"control at {args.control}", file=sys.stderr, flush=True)
-    run_proxy(args.frontend, args.edge, args.control, mode=args.mode, spin_s=args.spin_s,
-              marker_ttl_s=args.marker_ttl_s)
+    try:
+        run_proxy(args.frontend, args.edge, args.control, mode=args.mode, spin_s=args.spin_s,
+                  marker_ttl_s=args.marker_ttl_s, keys_dir=args.keys)
+    except SecurityError as exc:
+        raise CliError(f"--keys: {exc}") from None
+    return 0
+
+
+def _probe(args) -> int:
+    from channel_emulator import link_probe
+    from testbed.cli import CliError
+
+    try:
+        if args.serve:
+            def ready(server):
+                print(f"link probe server on {args.serve} (port {server.port}); Ctrl-C stops it",
+                      file=sys.stderr, flush=True)
+            link_probe.serve(args.serve, once=args.once, ready=ready)
+            return 0
+        dirs = ("up", "down") if args.direction == "both" else (args.direction,)
+        res = link_probe.run_probe(args.connect, directions=dirs, target_s=args.target_s, repeats=args.repeats,
+                                   points=args.points, pings=args.pings, max_bytes=args.max_bytes,
+                                   budget_s=args.budget_s, timeout_s=args.timeout_s,
+                                   progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (ValueError, link_probe.ProbeError) as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:  # e.g. the --serve port is taken
+        raise CliError(f"{args.serve or args.connect}: {exc.strerror or exc}") from None
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res, indent=1) if args.json else link_probe.format_result(res))
     return 0

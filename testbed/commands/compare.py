@@ -25,7 +25,7 @@ def handle(args) -> int:
     from testbed.cli import CliError
     from testbed.commands.run import load
     from testbed.core.optimizer import POLICIES
-    from testbed.launcher import resolve_pair, run_live
+    from testbed.launcher import require_edge_extra, resolve_pair, run_live
     from testbed.records import new_run_dir
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -33,6 +33,7 @@ def handle(args) -> int:
     if not policies or bad:
         raise CliError(f"--policies: {bad or policies!r} not allowed; allowed: {', '.join(POLICIES)}")
     base = load(args)
+    require_edge_extra()  # before an empty run directory is left behind
     parent = new_run_dir(args.runs_dir, "compare")
     pair = resolve_pair(base, progress=not args.quiet)
     rows = []

@@ -1,7 +1,13 @@
-"""`multispin run [PROFILE]`: a live run (channel emulator, device processes, edge) into runs/<stamp>/."""
+"""`multispin run [PROFILE]`: a live run (channel emulator, device processes, edge) into runs/<stamp>/.
+
+Exit status: 0 complete; 1 the run ended incomplete (every device left early; summary.json says why);
+2 an error the user can fix (printed, no traceback); 130 / 143 interrupted by Ctrl-C / SIGTERM (the run
+directory says "interrupted"; `multispin run --resume RUN_DIR` continues it).
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -20,7 +26,15 @@ def register(subparsers) -> None:
                    help="override any profile field (dotted keys, YAML values), e.g. --set deadline_s=5")
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_resume_argument(p, "run")
     p.set_defaults(handler=handle)
+
+
+def add_resume_argument(p, command: str) -> None:
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue an interrupted run in RUN_DIR with its own profile snapshot, seeds and prompts: "
+                        "rounds are numbered on from the last recorded one, records appended, and each device "
+                        f"goes on from its prompt plus what it generated (multispin {command} --resume RUN_DIR)")
 
 
 def overrides_from_args(args) -> dict:
@@ -51,20 +65,60 @@ def load(args):
         raise CliError(str(exc)) from None
 
 
-def handle(args) -> int:
-    from testbed import report
-    from testbed.launcher import run_live
-    from testbed.records import load_run, new_run_dir
+def resume_target(args, profile_given: bool):
+    """(profile, run_dir, resume) for --resume; options that would change the run are refused."""
+    from testbed.cli import CliError
+    from testbed.session import load_resume
 
-    profile = load(args)
-    run_dir = new_run_dir(args.runs_dir, profile.policy)
-    print(f"run directory: {run_dir}")
-    summary = run_live(profile, run_dir, progress=not args.quiet)
+    changed = [name for name, given in (("PROFILE", profile_given), ("--set", args.set), ("--rounds", args.rounds),
+                                        ("--policy", args.policy), ("--channel", args.channel),
+                                        ("--seed", args.seed)) if given]
+    if changed:
+        raise CliError(f"--resume continues with the run's own profile snapshot; drop {', '.join(changed)}")
+    profile, resume = load_resume(args.resume)
+    return profile, Path(args.resume), resume
+
+
+def handle(args) -> int:
+    from testbed.launcher import require_edge_extra
+    from testbed.records import new_run_dir
+
+    if args.resume:
+        require_edge_extra()
+        profile, run_dir, resume = resume_target(args, profile_given=args.profile is not None)
+        print(f"run directory: {run_dir} (resuming at round {resume.start_round} of {profile.rounds})")
+    else:
+        profile, resume = load(args), None
+        require_edge_extra()  # before an empty run directory is left behind
+        run_dir = new_run_dir(args.runs_dir, profile.policy)
+        print(f"run directory: {run_dir}")
+    return execute(args, profile, run_dir, resume=resume)
+
+
+def execute(args, profile, run_dir: Path, **run_kw) -> int:
+    """`run_live`, then the summary and the plots; how the run ended decides the exit status."""
+    from testbed import report
+    from testbed.errors import TestbedError
+    from testbed.launcher import run_live
+    from testbed.records import load_run
+
+    try:
+        summary = run_live(profile, run_dir, progress=not args.quiet, **run_kw)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the rounds so far are in {run_dir}; continue with: "
+              f"multispin {args.command} --resume {run_dir}", file=sys.stderr)
+        raise
+    except TestbedError:
+        print(f"run directory: {run_dir} (failed; see summary.json and logs/)", file=sys.stderr)
+        raise
     print(report.format_summary(summary))
-    if not args.no_plots:
+    if not getattr(args, "no_plots", False):
         _, records = load_run(run_dir)
         if records:
             paths = report.write_plots(records, Path(run_dir) / "plots")
             print("plots: " + ", ".join(str(p) for p in paths))
     print(f"run directory: {run_dir}")
+    if summary.get("status", "complete") != "complete":
+        print(f"run {summary['status']}: {summary.get('reason')}", file=sys.stderr)
+        return 1
     return 0

@@ -181,6 +181,8 @@ def _ul_phase(sc, ul_mode, L, acc, gains, bws, pmax, budgets, t, ul_powers=None,
 
 
 def device_tables(sc: Scenario) -> DeviceTables:
+    """Per-device quantities for every L in 1..L_max (arrays (N, L_max)), from the same formulas as `evaluate`: the
+    optimizer's lookup tables."""
     n, lmax = sc.num_devices, sc.max_draft_len
     L = np.broadcast_to(np.arange(1, lmax + 1, dtype=float), (n, lmax))
     col = lambda v: np.asarray(v, float)[:, None]
@@ -199,15 +201,24 @@ def device_tables(sc: Scenario) -> DeviceTables:
 
 # ---------------------------------------------------------------- the downlink phase
 
+def dl_bandwidth_split(dl_access: str, total_hz: float, num_dl, num_devices: int):
+    """W, the DL band of one DL-mode device: B^D / |D| (fdma_equal_split), B^D / N (fdma_fixed_split), B^D
+    (tdma: one at a time). Vectorised over `num_dl`; an empty DL set gets the band of a set of one, so
+    callers can divide by W and mask the empty sets afterwards."""
+    if dl_access == "fdma_equal_split":
+        return total_hz / np.maximum(np.asarray(num_dl, float), 1.0)
+    if dl_access == "fdma_fixed_split":
+        return np.full(np.shape(num_dl), total_hz / max(num_devices, 1))
+    if dl_access == "tdma":
+        return np.full(np.shape(num_dl), float(total_hz))
+    raise ValueError(f"dl_access={dl_access!r} is invalid; allowed: fdma_equal_split, fdma_fixed_split, tdma")
+
+
 def dl_bandwidth_per_device(sc: Scenario, num_dl: int) -> float:
     """W: B^D / |D| (fdma_equal_split), B^D / N (fdma_fixed_split), B^D (tdma, one at a time)."""
     if num_dl == 0:
         return 0.0
-    if sc.dl_access == "fdma_equal_split":
-        return sc.downlink_bandwidth_hz / num_dl
-    if sc.dl_access == "fdma_fixed_split":
-        return sc.downlink_bandwidth_hz / sc.num_devices
-    return sc.downlink_bandwidth_hz
+    return float(dl_bandwidth_split(sc.dl_access, sc.downlink_bandwidth_hz, num_dl, sc.num_devices))
 
 
 def dl_schedule(sc: Scenario, payload_bits, gains, dl_powers=None):
@@ -265,6 +276,7 @@ class Evaluation:
 
     @property
     def num_ul_devices(self) -> int:
+        """K, the number of devices in UL mode."""
         return sum(m == UL for m in self.modes)
 
 

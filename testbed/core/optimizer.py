@@ -11,6 +11,7 @@ the model's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -64,13 +65,7 @@ class Scorer:
                     t_ver=model.verify_time(self.sc, L))
 
     def _bandwidth(self, num_dl):
-        sc = self.sc
-        num_dl = np.asarray(num_dl, float)
-        if sc.dl_access == "fdma_equal_split":
-            return sc.downlink_bandwidth_hz / np.maximum(num_dl, 1.0)
-        if sc.dl_access == "fdma_fixed_split":
-            return np.full(num_dl.shape, sc.downlink_bandwidth_hz / self.n)
-        return np.full(num_dl.shape, sc.downlink_bandwidth_hz)
+        return model.dl_bandwidth_split(self.sc.dl_access, self.sc.downlink_bandwidth_hz, num_dl, self.n)
 
     def _goodput(self, E, up_k, post_k, t_ver, T_sync):
         """Sync: sum E / T. Async: sum_k E_k / T_k with T_k the device's own cycle."""
@@ -247,8 +242,32 @@ def greedy(scorer: Scorer, score, fill: bool, start=None):
 
 # ---------------------------------------------------------------- plans
 
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device's entry of a plan: its schedule (mode, draft length, powers) and the model's prediction."""
+
+    name: str
+    mode: str
+    draft_len: int
+    ul_power_w: float
+    dl_power_w: float
+    expected_tokens: float
+    goodput_tps: float
+    uplink_s: float         # drafting + first uplink (tau_up)
+    downlink_s: float
+    draft_s: float
+    tx_s: float             # the first uplink's air time
+    ul_rate_bps: float
+    dl_rate_bps: float
+    ul_bits: float
+    dl_bits: float
+
+
 @dataclass
 class Plan:
+    """One planned round: the policy, the scenario it was planned on, the model's evaluation of the chosen schedule,
+    and policy extras (`info`: seed, fixed length, evaluation count)."""
+
     policy: str
     scenario: Scenario
     evaluation: model.Evaluation
@@ -256,33 +275,41 @@ class Plan:
 
     @property
     def modes(self):
+        """Per-device modes, 'UL' or 'DL', in device order."""
         return self.evaluation.modes
 
     @property
     def draft_lens(self):
+        """Per-device draft lengths L_k (int array, tokens), in device order."""
         return self.evaluation.draft_lens
 
     @property
     def goodput_tps(self):
+        """Predicted sum goodput G, tokens/s."""
         return self.evaluation.goodput_tps
 
-    def to_dict(self) -> dict:
+    def device_plans(self) -> list[DevicePlan]:
+        """The per-device entries, in device order, as plain Python numbers."""
         ev = self.evaluation
-        devices = []
-        for k, name in enumerate(ev.names):
-            devices.append({
-                "name": name, "mode": ev.modes[k], "draft_len": int(ev.draft_lens[k]),
-                "ul_power_w": float(ev.ul_power_w[k]), "dl_power_w": float(ev.dl_power_w[k]),
-                "expected_tokens": float(ev.expected_tokens[k]), "goodput_tps": float(ev.goodput[k]),
-                "uplink_s": float(ev.uplink_s[k]), "downlink_s": float(ev.downlink_s[k]),
-                "draft_s": float(ev.draft_s[k]), "tx_s": float(ev.tx_s[k]),
-                "ul_rate_bps": float(ev.ul_rate_bps[k]), "dl_rate_bps": float(ev.dl_rate_bps[k]),
-                "ul_bits": float(ev.ul_bits[k]), "dl_bits": float(ev.dl_bits[k]),
-            })
+        return [DevicePlan(
+            name=name, mode=ev.modes[k], draft_len=int(ev.draft_lens[k]),
+            ul_power_w=float(ev.ul_power_w[k]), dl_power_w=float(ev.dl_power_w[k]),
+            expected_tokens=float(ev.expected_tokens[k]), goodput_tps=float(ev.goodput[k]),
+            uplink_s=float(ev.uplink_s[k]), downlink_s=float(ev.downlink_s[k]),
+            draft_s=float(ev.draft_s[k]), tx_s=float(ev.tx_s[k]),
+            ul_rate_bps=float(ev.ul_rate_bps[k]), dl_rate_bps=float(ev.dl_rate_bps[k]),
+            ul_bits=float(ev.ul_bits[k]), dl_bits=float(ev.dl_bits[k]),
+        ) for k, name in enumerate(ev.names)]
+
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready numbers (powers in W, rates in bit/s, payloads in bits, times in s): what
+        `multispin plan --json` prints and the controller records."""
+        ev = self.evaluation
         return {
             "policy": self.policy, "goodput_tps": ev.goodput_tps, "round_time_s": ev.round_time_s,
             "phases_s": dict(ev.phases), "num_ul_devices": ev.num_ul_devices,
-            "dl_bandwidth_per_device_hz": ev.dl_bandwidth_per_device_hz, "devices": devices, **self.info,
+            "dl_bandwidth_per_device_hz": ev.dl_bandwidth_per_device_hz,
+            "devices": [dataclasses.asdict(d) for d in self.device_plans()], **self.info,
         }
 
 

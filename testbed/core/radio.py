@@ -8,18 +8,22 @@ import numpy as np
 
 
 def db_to_linear(db):
+    """10^(x/10): a power ratio in dB as a linear ratio (scalar or array)."""
     return 10.0 ** (np.asarray(db, dtype=float) / 10.0) if np.ndim(db) else 10.0 ** (db / 10.0)
 
 
 def linear_to_db(x):
+    """10 log10(x): a linear power ratio in dB (scalar or array)."""
     return 10.0 * np.log10(x) if np.ndim(x) else 10.0 * math.log10(x)
 
 
 def dbm_to_w(dbm):
+    """Power in dBm to W (0 dBm = 1 mW)."""
     return db_to_linear(dbm) / 1000.0
 
 
 def w_to_dbm(w):
+    """Power in W to dBm (1 W = 30 dBm)."""
     return linear_to_db(np.asarray(w, dtype=float) * 1000.0) if np.ndim(w) else linear_to_db(w * 1000.0)
 
 

@@ -4,9 +4,10 @@ One round for one device (system model, section 2):
   accept x_i while u_i < p_i(x_i) / q_i(x_i); at the first rejection j sample the correction from
   norm(max(0, p_j - q_j)); if all L drafts pass, sample the bonus from p_{L+1}.
 
-UL mode runs `speculative_round` at the edge. DL mode composes the same functions: the edge calls
-`count_accepted` on scalars and, on a rejection, sends p_j; the device calls `sample_correction` with its own
-q_j. Both modes draw from one `RoundRandomness`, so a device produces the same tokens in either mode.
+`verify_draft` is the edge's decision in both modes: accept/reject from q at the drafted tokens, then the
+bonus token, or (UL mode) the correction from the uploaded q_j. In DL mode a rejection returns no token: the
+edge sends p_j and the device calls `sample_correction` with its own q_j. Both modes draw from one
+`RoundRandomness`, so a device produces the same tokens in either mode.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when temperature is 0: p and q are one-hot at their argmax (greedy decoding)."""
         return self.temperature == 0
 
 
@@ -250,8 +252,44 @@ def speculative_round(
     v = p_rows.shape[1]
     if n and ((toks < 0).any() or (toks >= v).any()):
         raise ValueError(f"draft_tokens {list(draft_tokens)}: ids must be in [0, {v})")
-    idx = np.arange(n)
-    accepted = count_accepted(toks, q_rows[idx, toks], p_rows[idx, toks], rr.acceptance_uniforms(n))
-    if accepted < n:
-        return accepted, sample_correction(p_rows[accepted], q_rows[accepted], rr.final_uniform())
-    return n, sample_from(p_rows[n], rr.final_uniform())
+    verdict = verify_draft(p_rows, q_rows[np.arange(n), toks], q_rows, toks, "UL", rr)
+    return verdict.n_accepted, verdict.token
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The edge's decision on one device's drafts."""
+
+    n_accepted: int
+    token: int | None  # the correction or bonus token; None: a DL-mode rejection, the device corrects
+
+
+def verify_draft(
+    p_rows: np.ndarray,
+    q_at: Sequence[float],
+    q_rows: np.ndarray | None,
+    tokens: Sequence[int],
+    mode: str,
+    rr: RoundRandomness,
+) -> Verdict:
+    """Accept/reject L drafted `tokens`, then the token that ends the round, as the edge decides it.
+
+    `p_rows` (L+1, V): the target's rows the device also uses (in DL mode it rebuilds p_j from the row it
+    downloads, so these must be the exact rows of the wire values); `q_at` (L,): q of each drafted token;
+    `q_rows` (L, V): the draft rows, needed only for a UL-mode correction. All accepted: the bonus token from
+    p_{L+1}, in either mode. A rejection at j: UL mode samples the correction from norm(max(0, p_j - q_j));
+    DL mode returns token None, and the device samples it with `sample_correction` and the same uniform.
+    """
+    if mode not in ("UL", "DL"):
+        raise ValueError(f"mode={mode!r}: must be 'UL' or 'DL'")
+    L = len(tokens)
+    if len(p_rows) < L + 1:
+        raise ValueError(f"p_rows: {len(p_rows)} rows for {L} draft tokens; need L + 1 (the bonus row too)")
+    n = count_accepted(tokens, q_at, p_rows[np.arange(L), tokens], rr.acceptance_uniforms(L))
+    if n == L:
+        return Verdict(n, sample_from(p_rows[L], rr.final_uniform()))
+    if mode == "DL":
+        return Verdict(n, None)
+    if q_rows is None:
+        raise ValueError("q_rows: a UL-mode correction needs the uploaded draft rows")
+    return Verdict(n, sample_correction(p_rows[n], q_rows[n], rr.final_uniform()))

@@ -22,7 +22,8 @@ class ScenarioError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No infinities or NaN: `uplink_bandwidth_hz: .inf` would pass `gt=0` and give infinite rates.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Device(_Strict):
@@ -113,13 +114,16 @@ class Scenario(_Strict):
     # ---- derived quantities (cheap, used by the model) ----
     @property
     def num_devices(self) -> int:
+        """N, the number of devices."""
         return len(self.devices)
 
     @property
     def noise_psd_w_hz(self) -> float:
+        """N_0 in W/Hz: noise_psd_dbm_hz plus noise_figure_db, converted to watts."""
         return radio.noise_psd_w_per_hz(self.noise_psd_dbm_hz, self.noise_figure_db)
 
     def gains_db(self) -> np.ndarray:
+        """g_k in dB per device (negative): channel_gain_db if given, else minus the path loss at distance_m."""
         return np.array([
             d.channel_gain_db if d.channel_gain_db is not None
             else radio.gain_from_distance_db(d.distance_m, self.path_loss_law)
@@ -127,15 +131,19 @@ class Scenario(_Strict):
         ], dtype=float)
 
     def gains_linear(self) -> np.ndarray:
+        """g_k per device as a linear power gain, 10^(dB/10)."""
         return 10.0 ** (self.gains_db() / 10.0)
 
     def device_array(self, field: str) -> np.ndarray:
+        """One per-device field (e.g. 'acceptance', 'draft_time_s') as a float array in device order."""
         return np.array([getattr(d, field) for d in self.devices], dtype=float)
 
     def ul_bandwidths_hz(self) -> np.ndarray:
+        """B^U_k per device, Hz: the device's uplink_bandwidth_hz if set, else the scenario's."""
         return np.array([d.uplink_bandwidth_hz or self.uplink_bandwidth_hz for d in self.devices], float)
 
     def energy_budgets_j(self) -> np.ndarray:
+        """E_k per device, J per round; inf where the device has no energy budget."""
         return np.array([np.inf if d.energy_budget_j is None else d.energy_budget_j
                          for d in self.devices], float)
 
@@ -185,6 +193,8 @@ class Scenario(_Strict):
     # ---- loading ----
     @classmethod
     def from_dict(cls, data: Any, source: str = "scenario") -> Scenario:
+        """A validated Scenario from a mapping; on error a ScenarioError with one line per problem, prefixed by
+        `source`."""
         if not isinstance(data, dict):
             raise ScenarioError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
         try:

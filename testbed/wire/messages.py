@@ -1,8 +1,9 @@
-"""Typed builders and validators for the testbed's messages (numpy + the protocol module only).
+"""Typed builders and validators for the testbed's messages (numpy, the protocol module, the sampling core).
 
 Frames are built with `testbed.wire.protocol.encode` and parsed with `decode`. Every validator raises
-`ProtocolError` naming the field, the value and what is allowed; the receiver answers with an error
-message and keeps serving the others.
+`ProtocolError` naming the field, the value and what is allowed (and nothing else, whatever the header
+holds); the receiver answers with an error message and keeps serving the others. Every field a node uses
+comes typed and bounded out of a parse_* function: a node should not read the raw header.
 
 Message flow of one round (device k, round r):
   edge -> device  schedule {round, mode, draft_len, ul_power_w, dl_power_w, deadline_s}
@@ -18,80 +19,371 @@ Distributions travel as wire rows (`testbed.core.sampling.to_wire_precision`); b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from testbed.core.sampling import WIRE_DTYPES, SamplingParams
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
 
 MODES = ("UL", "DL")
+MESSAGE_TYPES = (P.REGISTER, P.REGISTERED, P.ERROR, P.SCHEDULE, P.DRAFT, P.VERDICT, P.REPORT, P.BYE,
+                 P.HEARTBEAT)
+
+# Bounds of what a peer may send. Beyond them a value is a bug or an attack, never a real run; inside them
+# every later use (numpy int64, sums of seconds in the controller, buffers sized by V or L) stays finite.
+MAX_ROUND = 2**31 - 1
+MAX_VOCAB = 2**24            # a device pads its q rows to the on-air V: the edge must not size them freely
+MAX_DRAFT_LEN = 1024
+MAX_PROMPT_TOKENS = 2**20
+MAX_SEED = P.MAX_INT
+MAX_SECONDS = 1e9            # finite and far beyond any real phase (virtual air time at tiny rates included)
+MAX_POWER_W = 1e6
+MAX_BYTES = 2**40
+MAX_RATE_BPS = 1e18
+MAX_TEXT = 1000              # characters kept of a peer's free text (error messages, reasons)
+MAX_SESSION_CHARS = 128
+MAX_HARDWARE_FIELDS = 16
+MAX_HARDWARE_TEXT = 1000
+# Liveness (`registered.heartbeat_s`, `registered.liveness`): defaults for an edge that does not send them.
+DEFAULT_HEARTBEAT_S = 1.0
+DEFAULT_LIVENESS = 5
+MIN_HEARTBEAT_S = 0.01       # a faster heartbeat would be a flood, not a liveness check
+MAX_HEARTBEAT_S = 3600.0
+MAX_LIVENESS = 1000
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
+# Known timing keys (seconds; compute_scale is a factor >= 0 under the same bounds). Unknown keys are
+# dropped: a newer peer may time more, and nothing downstream reads what is not listed here.
+DRAFT_TIMINGS = ("draft_s", "compute_s", "emulated_extra_s", "compute_scale")
+REPORT_TIMINGS = ("correction_s",)
+# The channel emulator's accounting ("channel" on a draft or verdict, echoed as a report's dl_channel):
+# numbers as (kind, low, high), text as (str, allowed values or None, max length). null is allowed for every
+# field (rate_bps is null on an unconfigured link); unknown fields are dropped. Without an emulator in
+# between a device can forge it, so the edge must not trust more than these bounds.
+CHANNEL_FIELDS: dict[str, tuple] = {
+    "bytes": (int, 0, MAX_BYTES),
+    "rate_bps": (float, 0.0, MAX_RATE_BPS),
+    "airtime_s": (float, 0.0, MAX_SECONDS),
+    "base_latency_s": (float, 0.0, MAX_SECONDS),
+    "queued_s": (float, 0.0, MAX_SECONDS),
+    "held_s": (float, 0.0, MAX_SECONDS),
+    "late_s": (float, -MAX_SECONDS, MAX_SECONDS),
+    "lead_s": (float, 0.0, MAX_SECONDS),
+    "round": (int, 0, MAX_ROUND),
+    "marker": (bool, None, None),
+    "mode": (str, ("real", "virtual"), 16),
+    "link": (str, ("ul", "dl"), 16),
+    "dl_access": (str, None, 32),
+}
 
 
-def _field(header: dict, name: str, kind, allowed: str, *, optional: bool = False):
-    if name not in header or header[name] is None:
+def _kind(header: dict) -> str:
+    # The message name in refusals: the header's type only when it is one of ours (it is peer text).
+    kind = header.get("type")
+    return kind if isinstance(kind, str) and kind in MESSAGE_TYPES else "message"
+
+
+def _value(where: str, value: Any, kind, allowed: str, lo=None, hi=None, *, max_len: int | None = None):
+    """`value` as `kind` within [lo, hi] (strings: at most `max_len` characters), else ProtocolError naming
+    `where`. int excludes bool (JSON true is not 1); float accepts an int and must be finite."""
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and isinstance(value, int):
+            ok = abs(value) <= P.MAX_INT  # float() of a 400-digit int raises OverflowError
+            value = float(value) if ok else value
+        ok = ok and math.isfinite(value)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= P.MAX_INT
+    else:
+        ok = isinstance(value, kind)
+    if ok and kind in (int, float):  # NaN never gets here: comparisons with it are all False
+        ok = (lo is None or value >= lo) and (hi is None or value <= hi)
+    if ok and kind is str:  # decode never yields a lone surrogate; a header dict built elsewhere might
+        ok = (max_len is None or len(value) <= max_len) and P.valid_text(value)
+    if not ok:
+        raise ProtocolError(f"{where}: {P.show(value)} is not allowed; must be {allowed}")
+    return value
+
+
+def _field(header: dict, name: str, kind, allowed: str, *, optional: bool = False, lo=None, hi=None,
+           max_len: int | None = None):
+    """header[name] checked by `_value`; a missing or null field is None when `optional`, else refused."""
+    if not isinstance(header, dict):
+        raise ProtocolError(f"message: {P.show(header)} is not allowed; must be a JSON object")
+    value = header.get(name)
+    if value is None:
         if optional:
             return None
-        raise ProtocolError(f"{header.get('type', 'message')}.{name}: missing; must be {allowed}")
-    value = header[name]
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        raise ProtocolError(f"{header.get('type', 'message')}.{name}: {value!r} is not allowed; must be {allowed}")
-    return value
+        raise ProtocolError(f"{_kind(header)}.{name}: missing; must be {allowed}")
+    return _value(f"{_kind(header)}.{name}", value, kind, allowed, lo, hi, max_len=max_len)
+
+
+def _round(header: dict) -> int:
+    return _field(header, "round", int, f"an integer in 0..{MAX_ROUND}", lo=0, hi=MAX_ROUND)
+
+
+def _array(arrays: dict, name: str) -> np.ndarray | None:
+    value = arrays.get(name) if isinstance(arrays, dict) else None
+    return value if isinstance(value, np.ndarray) else None
+
+
+def _text(value: Any, limit: int = MAX_TEXT) -> str:
+    """A peer's free text as a short str that any encoder takes; never raises (str() of a 5000-digit int
+    does): truncated, lone surrogates replaced."""
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _timings(header: dict, keys: tuple[str, ...]) -> dict[str, float]:
+    """A message's `timings`: finite non-negative numbers under `keys`; unknown keys dropped; missing: {}."""
+    where = f"{_kind(header)}.timings"
+    raw = header.get("timings")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where}: {P.show(raw)} is not allowed; must be an object of seconds")
+    return {k: _value(f"{where}.{k}", raw[k], float, f"a finite number in [0, {MAX_SECONDS:g}]", 0.0, MAX_SECONDS)
+            for k in keys if raw.get(k) is not None}
+
+
+def _channel(header: dict, name: str) -> dict | None:
+    """A channel annotation (`CHANNEL_FIELDS`), or None when absent."""
+    where = f"{_kind(header)}.{name}"
+    raw = header.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where}: {P.show(raw)} is not allowed; must be the channel emulator's object or null")
+    out: dict[str, Any] = {}
+    for key, (kind, lo, hi) in CHANNEL_FIELDS.items():
+        value = raw.get(key)
+        if value is None:
+            if key in raw:
+                out[key] = None
+            continue
+        if kind is str:
+            allowed = f"one of {lo}" if lo else f"a text of at most {hi} characters"
+            out[key] = _value(f"{where}.{key}", value, str, allowed, max_len=hi)
+            if lo and value not in lo:
+                raise ProtocolError(f"{where}.{key}: {P.show(value)} is not allowed; must be {allowed}")
+        elif kind is bool:
+            out[key] = _value(f"{where}.{key}", value, bool, "true or false")
+        else:
+            out[key] = _value(f"{where}.{key}", value, kind, f"a finite number in [{lo:g}, {hi:g}]", lo, hi)
+    return out
 
 
 # --- registration --------------------------------------------------------------------------------
 
 def register(name: str, vocab_size: int, hardware: dict[str, Any]) -> list:
+    """Device -> edge, the first message: the device name (= its routing id), its vocabulary size V and its hardware
+    profile."""
     return P.encode({"type": P.REGISTER, "name": name, "vocab_size": int(vocab_size), "hardware": hardware})
 
 
 @dataclass
 class Registration:
+    """A parsed `register` message."""
+
     name: str
     vocab_size: int
     hardware: dict
 
 
 def parse_register(header: dict) -> Registration:
+    """Validate a `register` header: name of 1-64 letters, digits, '-', '_', '.'; vocab_size > 0; hardware an object."""
     name = _field(header, "name", str, "a non-empty device name")
-    if not name or len(name) > 64 or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise ProtocolError(f"register.name: {name!r} is not allowed; use 1-64 letters, digits, '-', '_', '.'")
-    vocab = _field(header, "vocab_size", int, "a positive integer")
-    if vocab <= 0:
-        raise ProtocolError(f"register.vocab_size: {vocab} is not allowed; must be > 0")
-    hardware = header.get("hardware") or {}
-    if not isinstance(hardware, dict):
-        raise ProtocolError(f"register.hardware: {hardware!r} is not allowed; must be an object")
-    return Registration(name, vocab, hardware)
+    if (not name or len(name) > 64 or not name.isascii()
+            or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()):
+        raise ProtocolError(f"register.name: {P.show(name)} is not allowed; use 1-64 ASCII letters, digits, "
+                            "'-', '_', '.'")
+    vocab = _field(header, "vocab_size", int, f"an integer in 1..{MAX_VOCAB}", lo=1, hi=MAX_VOCAB)
+    return Registration(name, vocab, _hardware(header.get("hardware")))
+
+
+# Known hardware fields and their types; other scalar fields pass (a device may describe itself more).
+HARDWARE_FIELDS: dict[str, tuple] = {"name": (str, None, None), "description": (str, None, None),
+                                     "compute_scale": (float, 0.0, 1e6), "threads": (int, 1, 4096)}
+
+
+def _hardware(raw: Any) -> dict:
+    """register.hardware: null or an object of at most MAX_HARDWARE_FIELDS scalar fields (text, finite
+    numbers, booleans, null): the edge stores and logs it, so nothing in it may be large or nested."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > MAX_HARDWARE_FIELDS:
+        raise ProtocolError(f"register.hardware: {P.show(raw)} is not allowed; must be an object of at most "
+                            f"{MAX_HARDWARE_FIELDS} scalar fields")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not 0 < len(key) <= 64:
+            raise ProtocolError(f"register.hardware: key {P.show(key)} is not allowed; must be 1-64 characters")
+        where = f"register.hardware.{key}"
+        kind, lo, hi = HARDWARE_FIELDS.get(key, (None, None, None))
+        if value is None or (kind is None and isinstance(value, bool)):
+            out[key] = value
+        elif kind is str or (kind is None and isinstance(value, str)):
+            out[key] = _value(where, value, str, f"a text of at most {MAX_HARDWARE_TEXT} characters",
+                              max_len=MAX_HARDWARE_TEXT)
+        elif kind is not None:
+            out[key] = _value(where, value, kind, f"a {kind.__name__} in [{lo:g}, {hi:g}]", lo, hi)
+        else:  # an unknown field: any finite number, nothing nested
+            out[key] = _value(where, value, float if isinstance(value, float) else int,
+                              "a text, a finite number, a boolean or null")
+    return out
 
 
 def registered(session: str, prompt_ids: list[int], *, seed: int, sampling: dict, bits_per_prob: int,
-               on_air_vocab_size: int | None, max_draft_len: int, tx_marker: bool = True) -> list:
+               on_air_vocab_size: int | None, max_draft_len: int, tx_marker: bool = True,
+               heartbeat_s: float | None = None, liveness: int | None = None) -> list:
     # tx_marker: whether a channel emulator sits in between (then markers absorb the transfer time).
-    return P.encode(
-        {"type": P.REGISTERED, "session": session, "seed": int(seed), "sampling": sampling,
-         "bits_per_prob": int(bits_per_prob), "on_air_vocab_size": on_air_vocab_size,
-         "max_draft_len": int(max_draft_len), "tx_marker": bool(tx_marker)},
-        {"prompt_ids": np.asarray(prompt_ids, dtype=np.int32)},
-    )
+    """Edge -> device reply to `register`: session id, seed, sampling parameters, b_p, on-air V, L_max and
+    tx_marker; the prompt as an int32 array. `heartbeat_s` and `liveness` (sent when given): the edge's
+    heartbeat period and how many silent periods make a peer dead (the device uses the same settings)."""
+    header = {"type": P.REGISTERED, "session": session, "seed": int(seed), "sampling": sampling,
+              "bits_per_prob": int(bits_per_prob), "on_air_vocab_size": on_air_vocab_size,
+              "max_draft_len": int(max_draft_len), "tx_marker": bool(tx_marker)}
+    if heartbeat_s is not None:
+        header["heartbeat_s"] = float(heartbeat_s)
+    if liveness is not None:
+        header["liveness"] = int(liveness)
+    return P.encode(header, {"prompt_ids": np.asarray(prompt_ids, dtype=np.int32)})
+
+
+@dataclass
+class Registered:
+    """A parsed `registered` reply: everything a device needs to start its session."""
+
+    session: str
+    prompt_ids: list[int]
+    seed: int
+    sampling: dict           # temperature, top_k, top_p: valid keyword arguments of SamplingParams
+    bits_per_prob: int
+    on_air_vocab_size: int | None
+    max_draft_len: int
+    tx_marker: bool
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S   # the edge's heartbeat period (s)
+    liveness: int = DEFAULT_LIVENESS           # silent periods after which a peer counts as dead
+
+
+def parse_registered(header: dict, arrays: dict, *, vocab_size: int | None = None) -> Registered:
+    """Validate a `registered` reply: session id, seed in 0..2**63-1, sampling parameters SamplingParams
+    accepts, bits_per_prob a wire precision, on_air_vocab_size null or in 1..MAX_VOCAB, max_draft_len in
+    1..MAX_DRAFT_LEN, tx_marker a boolean, heartbeat_s finite seconds in [MIN_HEARTBEAT_S, MAX_HEARTBEAT_S]
+    and liveness in 1..MAX_LIVENESS (both optional: DEFAULT_HEARTBEAT_S, DEFAULT_LIVENESS), prompt_ids a
+    non-empty int32 vector of ids in [0, vocab_size)."""
+    session = _field(header, "session", str, f"a text of 1-{MAX_SESSION_CHARS} characters", max_len=MAX_SESSION_CHARS)
+    if not session:
+        raise ProtocolError(f"registered.session: '' is not allowed; must be a text of 1-{MAX_SESSION_CHARS} "
+                            "characters")
+    seed = _field(header, "seed", int, "an integer in 0..2**63-1", lo=0, hi=MAX_SEED)
+    bits = _field(header, "bits_per_prob", int, f"one of {sorted(WIRE_DTYPES)}")
+    if bits not in WIRE_DTYPES:
+        raise ProtocolError(f"registered.bits_per_prob: {bits} is not allowed; must be one of {sorted(WIRE_DTYPES)}")
+    on_air = _field(header, "on_air_vocab_size", int, f"null or an integer in 1..{MAX_VOCAB}", optional=True,
+                    lo=1, hi=MAX_VOCAB)
+    max_len = _field(header, "max_draft_len", int, f"an integer in 1..{MAX_DRAFT_LEN}", lo=1, hi=MAX_DRAFT_LEN)
+    tx_marker = _field(header, "tx_marker", bool, "true or false", optional=True)
+    heartbeat = _field(header, "heartbeat_s", float, f"finite seconds in [{MIN_HEARTBEAT_S:g}, {MAX_HEARTBEAT_S:g}]",
+                       optional=True, lo=MIN_HEARTBEAT_S, hi=MAX_HEARTBEAT_S)
+    liveness = _field(header, "liveness", int, f"an integer in 1..{MAX_LIVENESS}", optional=True, lo=1,
+                      hi=MAX_LIVENESS)
+    sampling = _sampling(header.get("sampling"))
+    ids = _array(arrays, "prompt_ids")
+    top = MAX_VOCAB if vocab_size is None else vocab_size
+    if ids is None or ids.dtype != np.int32 or ids.ndim != 1 or not 0 < ids.size <= MAX_PROMPT_TOKENS:
+        raise ProtocolError(f"registered.prompt_ids: {None if ids is None else (ids.dtype.name, ids.shape)} is not "
+                            f"allowed; must be int32 of shape (n,), 1 <= n <= {MAX_PROMPT_TOKENS}")
+    if ids.min() < 0 or ids.max() >= top:
+        raise ProtocolError(f"registered.prompt_ids: ids in [{ids.min()}, {ids.max()}] are not allowed; must be "
+                            f"in [0, {top})")
+    return Registered(session, ids.tolist(), seed, sampling, bits, on_air, max_len,
+                      True if tx_marker is None else tx_marker,
+                      DEFAULT_HEARTBEAT_S if heartbeat is None else heartbeat,
+                      DEFAULT_LIVENESS if liveness is None else liveness)
+
+
+def _sampling(raw: Any) -> dict:
+    """registered.sampling: an object of SAMPLING_FIELDS (missing ones take SamplingParams' defaults)."""
+    where = "registered.sampling"
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where}: {P.show(raw)} is not allowed; must be an object of "
+                            f"{', '.join(SAMPLING_FIELDS)}")
+    unknown = sorted(set(raw) - set(SAMPLING_FIELDS))
+    if unknown:  # SamplingParams(**sampling) would raise TypeError on them
+        raise ProtocolError(f"{where}: unknown field(s) {P.show(unknown)}; allowed: {', '.join(SAMPLING_FIELDS)}")
+    out: dict[str, Any] = {}
+    if "temperature" in raw:
+        out["temperature"] = _value(f"{where}.temperature", raw["temperature"], float,
+                                    "a finite number in [0, 1e6] (0 = greedy)", 0.0, 1e6)
+    if "top_k" in raw:
+        out["top_k"] = _value(f"{where}.top_k", raw["top_k"], int, f"an integer in 0..{MAX_VOCAB} (0 = off)",
+                              0, MAX_VOCAB)
+    if "top_p" in raw:
+        out["top_p"] = _value(f"{where}.top_p", raw["top_p"], float, "a number in (0, 1] (1 = off)", 0.0, 1.0)
+        if out["top_p"] <= 0:
+            raise ProtocolError(f"{where}.top_p: {out['top_p']} is not allowed; must be a number in (0, 1] (1 = off)")
+    try:
+        SamplingParams(**out)  # the bounds above are its own; this keeps the two from drifting apart
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
+    return out
 
 
 def error(message: str, *, round_index: int | None = None, fatal: bool = False) -> list:
-    return P.encode({"type": P.ERROR, "message": message, "round": round_index, "fatal": fatal})
+    """Edge -> device: a refused message, with the round it concerns if any; `fatal` tells the device to exit."""
+    # Built from a peer's content (the refused message's text, its round): sanitised so that it cannot raise.
+    r = round_index if type(round_index) is int and 0 <= round_index <= MAX_ROUND else None
+    return P.encode({"type": P.ERROR, "message": _text(message), "round": r, "fatal": bool(fatal)})
+
+
+def heartbeat() -> list:
+    """Either direction: "I am alive" when nothing else was sent for one heartbeat period (uncharged)."""
+    return P.encode({"type": P.HEARTBEAT})
 
 
 def done(reason: str) -> list:
+    """Edge -> device `bye`: the session is over (run complete, token limit reached, or dropped); the device exits."""
     return P.encode({"type": P.BYE, "reason": reason})
+
+
+@dataclass
+class ErrorReply:
+    """A parsed `error` message."""
+
+    message: str
+    round: int | None
+    fatal: bool
+
+
+def parse_error(header: dict) -> ErrorReply:
+    """Validate an `error` message: message a text (kept to MAX_TEXT characters), round null or an int,
+    fatal a boolean (missing: false)."""
+    message = _field(header, "message", str, "a text", optional=True) or ""
+    r = _field(header, "round", int, f"null or an integer in 0..{MAX_ROUND}", optional=True, lo=0, hi=MAX_ROUND)
+    fatal = _field(header, "fatal", bool, "true or false", optional=True)
+    return ErrorReply(_text(message), r, fatal is True)
+
+
+def parse_bye(header: dict) -> str:
+    """Validate a `bye` message; returns its reason (a text kept to MAX_TEXT characters, '' if none)."""
+    return _text(_field(header, "reason", str, "a text", optional=True) or "")
 
 
 # --- schedule ------------------------------------------------------------------------------------
 
 def schedule(round_index: int, mode: str, draft_len: int, ul_power_w: float, dl_power_w: float,
              deadline_s: float) -> list:
+    """Edge -> device at the start of a round: mode, draft length L, UL and DL power (W) and the draft deadline (s)."""
     return P.encode({"type": P.SCHEDULE, "round": int(round_index), "mode": mode, "draft_len": int(draft_len),
                      "ul_power_w": float(ul_power_w), "dl_power_w": float(dl_power_w),
                      "deadline_s": float(deadline_s)})
@@ -99,21 +391,28 @@ def schedule(round_index: int, mode: str, draft_len: int, ul_power_w: float, dl_
 
 @dataclass
 class Schedule:
+    """A parsed `schedule`: the fields a device acts on, and the powers (W) for its records."""
+
     round: int
     mode: str
     draft_len: int
     deadline_s: float
+    ul_power_w: float = 0.0
+    dl_power_w: float = 0.0
 
 
 def parse_schedule(header: dict, max_draft_len: int) -> Schedule:
-    r = _field(header, "round", int, "an integer >= 0")
+    """Validate a `schedule` header: round in 0..MAX_ROUND, mode 'UL' or 'DL', draft_len in 1..L_max, deadline_s
+    finite seconds >= 0, ul_power_w and dl_power_w finite watts >= 0 (missing: 0)."""
+    r = _round(header)
     mode = _field(header, "mode", str, f"one of {MODES}")
     if mode not in MODES:
-        raise ProtocolError(f"schedule.mode: {mode!r} is not allowed; must be one of {MODES}")
-    n = _field(header, "draft_len", int, f"an integer in 1..{max_draft_len}")
-    if not 1 <= n <= max_draft_len:
-        raise ProtocolError(f"schedule.draft_len: {n} is not allowed; must be in 1..{max_draft_len}")
-    return Schedule(r, mode, n, _field(header, "deadline_s", float, "seconds"))
+        raise ProtocolError(f"schedule.mode: {P.show(mode)} is not allowed; must be one of {MODES}")
+    n = _field(header, "draft_len", int, f"an integer in 1..{max_draft_len}", lo=1, hi=max_draft_len)
+    deadline = _field(header, "deadline_s", float, f"finite seconds in [0, {MAX_SECONDS:g}]", lo=0.0, hi=MAX_SECONDS)
+    powers = [_field(header, k, float, f"finite watts in [0, {MAX_POWER_W:g}]", optional=True, lo=0.0,
+                     hi=MAX_POWER_W) or 0.0 for k in ("ul_power_w", "dl_power_w")]
+    return Schedule(r, mode, n, deadline, *powers)
 
 
 # --- draft upload --------------------------------------------------------------------------------
@@ -144,23 +443,28 @@ def draft(round_index: int, mode: str, tokens, q_rows, *, q_wire=None, last_toke
 
 @dataclass
 class Draft:
+    """A parsed draft upload; q as both ends compute with it (exact_from_wire of the wire rows)."""
+
     round: int
     mode: str
     tokens: np.ndarray           # (L,) int64
     q_rows: np.ndarray | None    # UL: (L, V) float64, exact_from_wire of the received rows
     q_at: np.ndarray             # (L,) float64, q of each drafted token
     last_token: int
-    timings: dict
-    channel: dict | None
+    timings: dict                # DRAFT_TIMINGS present in the message: finite seconds >= 0
+    channel: dict | None         # CHANNEL_FIELDS present in the annotation
 
 
 def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_size: int,
                 bits_per_prob: int, on_air_vocab: int | None) -> Draft:
+    """Validate a draft against the round's schedule (mode, L), V, b_p and the on-air width; q_at for both modes,
+    q_rows in UL mode only."""
+    r = _round(header)
     got_mode = _field(header, "mode", str, f"one of {MODES}")
     if got_mode != mode:
-        raise ProtocolError(f"draft.mode: {got_mode!r} is not allowed; this round scheduled {mode!r}")
+        raise ProtocolError(f"draft.mode: {P.show(got_mode)} is not allowed; this round scheduled {mode!r}")
     wire = P.wire_dtype(bits_per_prob)
-    toks = arrays.get("tokens")
+    toks = _array(arrays, "tokens")
     if toks is None or toks.dtype != np.int32 or toks.shape != (draft_len,):
         raise ProtocolError(f"draft.tokens: {None if toks is None else (toks.dtype.name, toks.shape)} is not "
                             f"allowed; must be int32 of shape ({draft_len},)")
@@ -168,14 +472,14 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
         raise ProtocolError(f"draft.tokens: {toks.tolist()} is not allowed; ids must be in [0, {vocab_size})")
     width = max(vocab_size, on_air_vocab or 0)
     if mode == "UL":
-        q = arrays.get("q")
+        q = _array(arrays, "q")
         if q is None or q.dtype.name != wire or q.shape != (draft_len, width):
             raise ProtocolError(f"draft.q: {None if q is None else (q.dtype.name, q.shape)} is not allowed; "
                                 f"must be {wire} of shape ({draft_len}, {width})")
         q_rows = P.from_wire(q, vocab_size, name="draft.q")
         q_at = q_rows[np.arange(draft_len), toks]
     else:
-        qa = arrays.get("q_at")
+        qa = _array(arrays, "q_at")
         if qa is None or qa.dtype != np.float64 or qa.shape != (draft_len,):
             raise ProtocolError(f"draft.q_at: {None if qa is None else (qa.dtype.name, qa.shape)} is not "
                                 f"allowed; must be float64 of shape ({draft_len},)")
@@ -185,13 +489,9 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
     if np.any(q_at <= 0):
         # Impossible for an honest device (the token was sampled from this q): a protocol violation.
         raise ProtocolError("draft.q: a drafted token has q = 0; q must be the distribution it was sampled from")
-    last = _field(header, "last_token", int, f"a token id in [0, {vocab_size})")
-    if not 0 <= last < vocab_size:
-        raise ProtocolError(f"draft.last_token: {last} is not allowed; must be in [0, {vocab_size})")
-    timings = header.get("timings") or {}
-    if not isinstance(timings, dict):
-        raise ProtocolError(f"draft.timings: {timings!r} is not allowed; must be an object")
-    return Draft(header["round"], mode, toks.astype(np.int64), q_rows, q_at, last, timings, header.get("channel"))
+    last = _field(header, "last_token", int, f"a token id in [0, {vocab_size})", lo=0, hi=vocab_size - 1)
+    return Draft(r, mode, toks.astype(np.int64), q_rows, q_at, last, _timings(header, DRAFT_TIMINGS),
+                 _channel(header, "channel"))
 
 
 # --- verdict -------------------------------------------------------------------------------------
@@ -205,52 +505,60 @@ def verdict(round_index: int, n_accepted: int, token: int | None, *, p_row=None,
 
 
 def dropped(round_index: int, reason: str) -> list:
+    """Edge -> device: this device's round is dropped (its draft missed the deadline); not charged air time."""
     return P.encode({"type": P.VERDICT, "round": int(round_index), "dropped": True, "reason": reason})
 
 
 @dataclass
 class Verdict:
+    """A parsed verdict: accepted count and token, or p_j for a DL-mode correction, or a dropped round."""
+
     round: int
     dropped: bool
     n_accepted: int
     token: int | None
     p_row: np.ndarray | None
     channel: dict | None
+    reason: str | None = None    # why a round was dropped
 
 
 def parse_verdict(header: dict, arrays: dict, *, draft_len: int, vocab_size: int, bits_per_prob: int,
                   on_air_vocab: int | None) -> Verdict:
-    r = _field(header, "round", int, "an integer >= 0")
-    if header.get("dropped"):
-        return Verdict(r, True, 0, None, None, header.get("channel"))
-    n = _field(header, "n_accepted", int, f"an integer in 0..{draft_len}")
-    if not 0 <= n <= draft_len:
-        raise ProtocolError(f"verdict.n_accepted: {n} is not allowed; must be in 0..{draft_len}")
-    token = _field(header, "token", int, f"a token id in [0, {vocab_size})", optional=True)
-    if token is not None and not 0 <= token < vocab_size:
-        raise ProtocolError(f"verdict.token: {token} is not allowed; must be in [0, {vocab_size})")
+    """Validate a verdict: n_accepted in 0..L; a token id in [0, V) and/or p at the wire dtype and on-air width (one
+    of them at least)."""
+    r = _round(header)
+    channel = _channel(header, "channel")
+    if _field(header, "dropped", bool, "true or false", optional=True):
+        reason = _text(_field(header, "reason", str, "a text", optional=True) or "")
+        return Verdict(r, True, 0, None, None, channel, reason)
+    n = _field(header, "n_accepted", int, f"an integer in 0..{draft_len}", lo=0, hi=draft_len)
+    token = _field(header, "token", int, f"a token id in [0, {vocab_size})", optional=True, lo=0, hi=vocab_size - 1)
     p_row = None
-    if "p" in arrays:
+    p = _array(arrays, "p")
+    if p is not None:
         wire = P.wire_dtype(bits_per_prob)
         width = max(vocab_size, on_air_vocab or 0)
-        p = arrays["p"]
         if p.dtype.name != wire or p.shape != (width,):
             raise ProtocolError(f"verdict.p: {(p.dtype.name, p.shape)} is not allowed; must be {wire} ({width},)")
         p_row = P.from_wire(p, vocab_size, name="verdict.p")
     if token is None and p_row is None:
         raise ProtocolError("verdict: carries neither a token nor a distribution p")
-    return Verdict(r, False, n, token, p_row, header.get("channel"))
+    return Verdict(r, False, n, token, p_row, channel)
 
 
 # --- report --------------------------------------------------------------------------------------
 
 def report(round_index: int, token: int, n_accepted: int, timings: dict, dl_channel: dict | None) -> list:
+    """Device -> edge after each verdict: the round's final token, n_accepted, its correction time (s) and the
+    verdict's channel annotation."""
     return P.encode({"type": P.REPORT, "round": int(round_index), "token": int(token),
                      "n_accepted": int(n_accepted), "timings": timings, "dl_channel": dl_channel})
 
 
 @dataclass
 class Report:
+    """A parsed `report` message."""
+
     round: int
     token: int
     n_accepted: int
@@ -259,13 +567,9 @@ class Report:
 
 
 def parse_report(header: dict, vocab_size: int) -> Report:
-    r = _field(header, "round", int, "an integer >= 0")
-    token = _field(header, "token", int, f"a token id in [0, {vocab_size})")
-    if not 0 <= token < vocab_size:
-        raise ProtocolError(f"report.token: {token} is not allowed; must be in [0, {vocab_size})")
-    n = _field(header, "n_accepted", int, "an integer >= 0")
-    timings = header.get("timings") or {}
-    ch = header.get("dl_channel")
-    if not isinstance(timings, dict) or (ch is not None and not isinstance(ch, dict)):
-        raise ProtocolError("report.timings / report.dl_channel: must be objects")
-    return Report(r, token, n, timings, ch)
+    """Validate a `report` header: round, token id in [0, V), n_accepted in 0..MAX_DRAFT_LEN, timings
+    (REPORT_TIMINGS: finite seconds >= 0) and dl_channel (a channel annotation or null)."""
+    r = _round(header)
+    token = _field(header, "token", int, f"a token id in [0, {vocab_size})", lo=0, hi=vocab_size - 1)
+    n = _field(header, "n_accepted", int, f"an integer in 0..{MAX_DRAFT_LEN}", lo=0, hi=MAX_DRAFT_LEN)
+    return Report(r, token, n, _timings(header, REPORT_TIMINGS), _channel(header, "dl_channel"))

@@ -1,0 +1,229 @@
+"""CURVE authentication and encryption for the sockets of a LAN deployment (libsodium, through pyzmq).
+
+A key directory, written by `multispin keys generate --out DIR --devices dev0,dev1`:
+
+    DIR/server.key, DIR/server.key_secret   the edge host's server pair: edge ROUTER, emulator frontend
+                                            and control socket
+    DIR/authorized/<name>.key               the public key of every admitted client, named
+    DIR/clients/<name>/                     what client <name> needs: its own pair and server.key
+
+Clients are the devices, ``edge`` (the edge as the emulator's control client) and ``channel`` (the
+emulator as the edge's client). Copy ``DIR/clients/dev0/`` to device dev0; nothing else leaves the edge
+host. A ZAP handler admits only the authorized keys and stamps every message with its sender's name (the
+``User-Id`` property): a node refuses a message whose routing identity is not the name its key is bound
+to, so a listed key cannot speak for another device.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+log = logging.getLogger("multispin.security")
+
+SERVER = "server"
+EDGE_CLIENT = "edge"         # the edge connecting to the emulator's control socket
+CHANNEL_CLIENT = "channel"   # the emulator forwarding devices' messages to the edge
+RESERVED = (SERVER, EDGE_CLIENT, CHANNEL_CLIENT)
+LOOPBACK_PREFIXES = ("ipc://", "inproc://", "tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+
+
+class SecurityError(Exception):
+    """A key directory or a security setting the user must fix (named file, named reason)."""
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for endpoints no other host can reach."""
+    return endpoint.startswith(LOOPBACK_PREFIXES)
+
+
+def _check_name(name: str) -> str:
+    if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
+        raise SecurityError(f"client name {name!r}: use letters, digits, '-', '_' or '.'")
+    return name
+
+
+def generate_keys(out_dir: str | Path, devices: list[str], *, force: bool = False) -> dict[str, Path]:
+    """Write a fresh key directory for `devices` (plus the edge and channel clients); returns the paths.
+
+    Refuses to overwrite an existing server key unless `force`: replacing it locks out every device.
+    """
+    out = Path(out_dir)
+    names = [_check_name(n) for n in devices]
+    clash = sorted(set(names) & set(RESERVED))
+    if clash:
+        raise SecurityError(f"device names {clash} are reserved for the testbed's own clients")
+    if (out / "server.key_secret").exists() and not force:
+        raise SecurityError(f"{out / 'server.key_secret'} exists; pass --force to replace every key")
+    authorized, clients = out / "authorized", out / "clients"
+    for d in (out, authorized, clients):
+        d.mkdir(parents=True, exist_ok=True)
+    server_pub, _ = zmq.auth.create_certificates(out, SERVER)
+    paths = {SERVER: out}
+    for name in [*names, EDGE_CLIENT, CHANNEL_CLIENT]:
+        bundle = clients / name
+        bundle.mkdir(exist_ok=True)
+        pub, _ = zmq.auth.create_certificates(bundle, "client", metadata={"name": name})
+        (bundle / "server.key").write_bytes(Path(server_pub).read_bytes())
+        (authorized / f"{name}.key").write_bytes(Path(pub).read_bytes())
+        paths[name] = bundle
+    for secret in out.rglob("*.key_secret"):
+        secret.chmod(0o600)
+    return paths
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    public: bytes
+    secret: bytes
+    authorized: dict[bytes, str]  # public key (raw 32 bytes) -> client name
+
+    @classmethod
+    def load(cls, keys_dir: str | Path) -> ServerKeys:
+        d = Path(keys_dir)
+        pub, sec = _load_pair(d / "server.key_secret")
+        auth_dir = d / "authorized"
+        if not auth_dir.is_dir():
+            raise SecurityError(f"{auth_dir}: missing (make the directory with `multispin keys generate`)")
+        authorized = {}
+        for f in sorted(auth_dir.glob("*.key")):
+            try:
+                key, _ = zmq.auth.load_certificate(f)
+            except (OSError, ValueError) as exc:
+                raise SecurityError(f"{f}: not a public key file: {exc}") from None
+            authorized[z85.decode(key)] = f.stem
+        return cls(pub, sec, authorized)
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+    @classmethod
+    def load(cls, bundle_dir: str | Path) -> ClientKeys:
+        """A client's bundle (``DIR/clients/<name>/``) or, on the edge host, the key directory + name."""
+        d = Path(bundle_dir)
+        pub, sec = _load_pair(d / "client.key_secret")
+        server = d / "server.key"
+        try:
+            server_pub, _ = zmq.auth.load_certificate(server)
+        except (OSError, ValueError) as exc:
+            raise SecurityError(f"{server}: not readable as the server's public key: {exc}") from None
+        return cls(pub, sec, server_pub)
+
+    @classmethod
+    def for_name(cls, keys_dir: str | Path, name: str) -> ClientKeys:
+        return cls.load(Path(keys_dir) / "clients" / name)
+
+
+def _load_pair(secret_file: Path) -> tuple[bytes, bytes]:
+    try:
+        pub, sec = zmq.auth.load_certificate(secret_file)
+    except (OSError, ValueError) as exc:
+        raise SecurityError(f"{secret_file}: not readable as a secret key: {exc}") from None
+    if not sec:
+        raise SecurityError(f"{secret_file}: holds no secret key")
+    return pub, sec
+
+
+class _NamedKeyAuthenticator(ThreadAuthenticator):
+    """Admits the authorized keys only and names each connection after its key (its User-Id)."""
+
+    def __init__(self, context: zmq.Context, authorized: dict[bytes, str]):
+        super().__init__(context)
+        self.names = dict(authorized)
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.names[client_public_key]
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:  # the credentials provider's hook
+        ok = z85.decode(z85_key) in self.names
+        if not ok:
+            log.warning("refused a CURVE client with an unlisted key %s...", bytes(z85_key[:10]).decode())
+        return ok
+
+
+_authenticators: dict[int, _NamedKeyAuthenticator] = {}
+_auth_lock = threading.Lock()
+
+
+def _ensure_authenticator(ctx: zmq.Context, keys: ServerKeys) -> None:
+    with _auth_lock:
+        auth = _authenticators.get(id(ctx))
+        if auth is None:
+            auth = _NamedKeyAuthenticator(ctx, keys.authorized)
+            auth.start()
+            auth.configure_curve_callback("*", credentials_provider=auth)
+            _authenticators[id(ctx)] = auth
+        else:
+            auth.names.update(keys.authorized)
+
+
+def stop_authenticators(ctx: zmq.Context | None = None) -> None:
+    """Stop the ZAP handler of `ctx` (None: every one this process started); call it before ctx.term()."""
+    with _auth_lock:
+        for key in [id(ctx)] if ctx is not None else list(_authenticators):
+            auth = _authenticators.pop(key, None)
+            if auth is not None:
+                auth.stop()
+
+
+def make_server(sock: zmq.Socket, keys: ServerKeys | None) -> None:
+    """Turn `sock` (before bind) into a CURVE server admitting only `keys.authorized`; None: plain."""
+    if keys is None:
+        return
+    _ensure_authenticator(sock.context, keys)
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_server = True
+
+
+def make_client(sock: zmq.Socket, keys: ClientKeys | None) -> None:
+    """Turn `sock` (before connect) into a CURVE client of the server in `keys`; None: plain."""
+    if keys is None:
+        return
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_serverkey = keys.server_public
+
+
+def sender_name(frame: zmq.Frame) -> str | None:
+    """The authenticated name of a received frame's sender; None on a plain (insecure) socket."""
+    try:
+        uid = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return uid or None
+
+
+def check_identity(identity: str, frame: zmq.Frame, *, forwarder: str | None = None) -> str | None:
+    """Why a message whose routing identity is `identity` must be refused, or None if it may pass.
+
+    With CURVE on, the identity must be the name the sender's key is bound to; `forwarder` names the one
+    client allowed to speak for others (the channel emulator, which checked them itself)."""
+    name = sender_name(frame)
+    if name is None or name == identity or (forwarder is not None and name == forwarder):
+        return None
+    return f"the key of {name!r} cannot speak as {identity!r}"
+
+
+def require_keys_or_insecure(endpoints: list[str], keys_dir: str | None, insecure: bool, what: str) -> None:
+    """Refuse to serve a non-loopback endpoint without keys unless the profile says `security: insecure`."""
+    exposed = [e for e in endpoints if e and not is_loopback(e)]
+    if not exposed or keys_dir:
+        return
+    if not insecure:
+        raise SecurityError(f"{what} binds {', '.join(exposed)} without keys: make them with `multispin keys "
+                            f"generate --out DIR --devices ...` and set `security: {{keys: DIR}}`, or set "
+                            f"`security: insecure` to accept any peer that reaches the port")
+    log.warning("SECURITY: %s serves %s with no authentication and no encryption (security: insecure)",
+                what, ", ".join(exposed))

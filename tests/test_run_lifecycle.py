@@ -1,0 +1,391 @@
+"""How a run ends, and that it loses nothing: SIGTERM, SIGINT and kill -9 of `multispin run` (no orphan,
+status and summary written, every recorded round a valid JSON line), `--resume`, a run whose devices all
+left, the emulator's control token, a paused device, and the clear errors (unwritable runs directory, a
+port in use, a non-loopback endpoint without keys, a draft model that does not load, a full disk).
+
+Real processes on loopback (ipc://) sockets, micro model pair; every process started here is stopped by
+its pid."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testbed.errors import TestbedError
+from testbed.launcher import Launcher, RunInterrupted, interrupt_signals, run_live
+from testbed.profile import load_profile
+from testbed.records import RunRecorder, load_run
+
+CLI = [sys.executable, "-c", "import sys; from testbed.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def _profile_data(pair, **overrides) -> dict:
+    data = {
+        "name": "micro", "rounds": 10, "seed": 7, "deadline_s": 3.0, "max_misses": 2,
+        "prompts": ["def parse(text):", "import os"],
+        "model": {"pair": "local", "target": str(pair.target_dir), "draft_onnx": str(pair.draft_onnx),
+                  "tokenizer": str(pair.tokenizer)},
+        "channel": {"mode": "virtual"},
+        "wait_for_devices_s": 60,
+        "scenario": {
+            "bits_per_prob": 16, "max_draft_len": 4, "uplink_bandwidth_hz": 2e6, "downlink_bandwidth_hz": 3e6,
+            "downlink_power_w": 1.0,
+            "devices": [{"name": f"d{i}", "distance_m": 100 + 150 * i, "draft_time_s": 0.001, "acceptance": 0.6}
+                        for i in range(2)],
+        },
+    }
+    data.update(overrides)
+    return data
+
+
+def _write_profile(path: Path, pair, **overrides) -> Path:
+    path.write_text(yaml.safe_dump(_profile_data(pair, **overrides)))
+    return path
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (read from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_rounds(run_dir_parent: Path, n: int, proc: subprocess.Popen, timeout_s: float = 180) -> Path:
+    """The run directory once its rounds.jsonl holds at least n lines."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        for d in run_dir_parent.glob("*"):
+            f = d / "rounds.jsonl"
+            if f.is_file() and f.read_text().count("\n") >= n:
+                return d
+        time.sleep(0.1)
+    raise AssertionError("the run recorded too few rounds in time")
+
+
+def _start_run(prof: Path, runs: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, "run", str(prof), "--runs-dir", str(runs), "--quiet", "--no-plots", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _check_rounds_file(run_dir: Path) -> list[int]:
+    """Every line of rounds.jsonl is one complete JSON record; returns the round indices."""
+    raw = (run_dir / "rounds.jsonl").read_text()
+    assert raw.endswith("\n") or raw == ""
+    return [json.loads(line)["round"] for line in raw.splitlines()]
+
+
+def _kill_all(procs) -> None:
+    for p in procs:
+        if isinstance(p, int):
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        elif p.poll() is None:
+            p.kill()
+            p.wait(5)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_run_cleanly_and_resume_goes_on(micro_pair, tmp_path, sig):
+    prof = _write_profile(tmp_path / "p.yaml", micro_pair, rounds=400)
+    proc = _start_run(prof, tmp_path / "runs")
+    children: list[int] = []
+    try:
+        run_dir = _wait_rounds(tmp_path / "runs", 3, proc)
+        children = _children(proc.pid)
+        assert len(children) == 3  # the emulator and two devices
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        _kill_all([proc, *children])
+    assert proc.returncode == 128 + sig, out[-3000:]
+    assert "--resume" in out
+    time.sleep(0.5)
+    assert [p for p in children if _alive(p)] == []  # no orphan
+    summary = json.loads((run_dir / "summary.json").read_text())
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert summary["status"] == meta["status"] == "interrupted"
+    assert signal.Signals(sig).name in summary["reason"]
+    rounds = _check_rounds_file(run_dir)
+    assert rounds == list(range(len(rounds))) and len(rounds) >= 3 and summary["rounds"] == len(rounds)
+    assert sorted(json.loads((run_dir / "outputs.json").read_text())) == ["d0", "d1"]
+    assert set(meta["processes"]) == {"channel", "device-d0", "device-d1"}
+    if sig != signal.SIGINT:
+        return
+    # --resume: the same profile (made shorter here, so that the test stays short), rounds numbered on.
+    before = json.loads((run_dir / "outputs.json").read_text())
+    meta["profile"]["rounds"] = len(rounds) + 3
+    (run_dir / "meta.json").write_text(json.dumps(meta))
+    again = subprocess.run([*CLI, "run", "--resume", str(run_dir), "--quiet", "--no-plots"], capture_output=True,
+                           text=True, timeout=240)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert _check_rounds_file(run_dir) == list(range(len(rounds) + 3))
+    meta = json.loads((run_dir / "meta.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert meta["status"] == summary["status"] == "complete" and summary["rounds"] == len(rounds) + 3
+    assert meta["resumed"][0]["from_round"] == len(rounds) and meta["resumed"][0]["previous_status"] == "interrupted"
+    after = json.loads((run_dir / "outputs.json").read_text())
+    for name in ("d0", "d1"):  # each device went on from what it had generated
+        old = before[name]["output_ids"]
+        assert after[name]["output_ids"][: len(old)] == old and len(after[name]["output_ids"]) > len(old)
+    # A complete run cannot be resumed.
+    done = subprocess.run([*CLI, "run", "--resume", str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "complete" in done.stderr
+
+
+def test_kill_9_leaves_no_orphan_and_the_run_resumes(micro_pair, tmp_path):
+    prof = _write_profile(tmp_path / "p.yaml", micro_pair, rounds=400)
+    proc = _start_run(prof, tmp_path / "runs")
+    children: list[int] = []
+    try:
+        run_dir = _wait_rounds(tmp_path / "runs", 3, proc)
+        children = _children(proc.pid)
+        assert len(children) == 3
+        proc.kill()
+        proc.wait(10)
+        t0 = time.monotonic()
+        while [p for p in children if _alive(p)] and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        gone_s = time.monotonic() - t0
+        assert [p for p in children if _alive(p)] == [], "orphans left"
+    finally:
+        _kill_all([proc, *children])
+    assert gone_s < 5.0, gone_s
+    rounds = _check_rounds_file(run_dir)
+    assert json.loads((run_dir / "meta.json").read_text())["status"] == "running"  # nobody could say otherwise
+    progress = json.loads((run_dir / "progress.json").read_text())
+    assert progress["round"] >= rounds[-1] and sorted(progress["devices"]) == ["d0", "d1"]
+    meta = json.loads((run_dir / "meta.json").read_text())
+    meta["profile"]["rounds"] = len(rounds) + 2
+    (run_dir / "meta.json").write_text(json.dumps(meta))
+    again = subprocess.run([*CLI, "run", "--resume", str(run_dir), "--quiet", "--no-plots"], capture_output=True,
+                           text=True, timeout=240)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = _check_rounds_file(run_dir)
+    assert resumed[: len(rounds)] == rounds and resumed[-1] == len(rounds) + 1
+    assert len(set(resumed)) == len(resumed)
+
+
+def test_a_run_whose_devices_all_left_is_incomplete(micro_pair, tmp_path):
+    run_dir = tmp_path / "run"
+
+    def on_round(rec, server, launcher):
+        if rec["round"] == 1:
+            for name in ("d0", "d1"):
+                launcher.kill(f"device-{name}")
+
+    summary = run_live(load_profile(_profile_data(micro_pair, rounds=20, deadline_s=1.0, max_misses=1)), run_dir,
+                       progress=False, on_round=on_round)
+    meta, records = load_run(run_dir)
+    assert summary["status"] == meta["status"] == "incomplete"
+    assert "every device left" in summary["reason"] and len(records) < 20
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "incomplete"
+
+
+def test_the_emulator_refuses_control_without_the_token_and_a_paused_device_comes_back(micro_pair, tmp_path):
+    from channel_emulator.proxy import ChannelControl
+
+    run_dir = tmp_path / "run"
+    seen: dict = {}
+
+    def on_round(rec, server, launcher):
+        if rec["round"] == 1:
+            for token in (None, "wrong"):
+                ctl = ChannelControl(server.channel.endpoint, timeout_s=5.0, token=token)
+                try:
+                    with pytest.raises(RuntimeError, match="token"):
+                        ctl.stop()
+                finally:
+                    ctl.close()
+            # Pause a device longer than one deadline (it misses a round), then let it go on.
+            pid = launcher.procs["device-d1"].pid
+            os.kill(pid, signal.SIGSTOP)
+            seen["stopped_at"] = rec["round"]
+            threading.Timer(2.0, os.kill, (pid, signal.SIGCONT)).start()
+
+    profile = load_profile(_profile_data(micro_pair, rounds=14, deadline_s=1.0, max_misses=3,
+                                         channel={"mode": "real"}))
+    summary = run_live(profile, run_dir, progress=False, on_round=on_round)
+    _, records = load_run(run_dir)
+    assert summary["status"] == "complete" and len(records) == 14  # the emulator was not stopped
+    assert any("d1" in r["missed"] for r in records[2:6])  # the paused device missed a round ...
+    assert all(not r["devices"]["d1"]["missed"] for r in records[-3:])  # ... and came back
+    assert summary["channel_stats"]["ok"]
+
+
+def test_a_bad_draft_model_fails_the_run_fast_with_the_devices_reason(micro_pair, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not onnx")
+    data = _profile_data(micro_pair, wait_for_devices_s=120)
+    data["model"]["draft_onnx"] = str(bad)
+    t0 = time.monotonic()
+    with pytest.raises(TestbedError) as exc:
+        run_live(load_profile(data), tmp_path / "run", progress=False)
+    assert time.monotonic() - t0 < 60  # not the 120 s of wait_for_devices_s
+    assert "not a loadable ONNX model" in str(exc.value) and "status 2" in str(exc.value)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "no device registered" in summary["reason"]
+
+
+def test_a_port_in_use_is_named_with_its_holder(micro_pair, tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        data = _profile_data(micro_pair, endpoints={"edge_bind": f"tcp://127.0.0.1:{port}"})
+        with pytest.raises(TestbedError) as exc:
+            run_live(load_profile(data), tmp_path / "run", progress=False)
+    text = str(exc.value)
+    assert f"port {port} is already in use" in text and f"pid {os.getpid()}" in text
+    assert json.loads((tmp_path / "run" / "meta.json").read_text())["status"] == "failed"
+
+
+def test_a_lan_endpoint_needs_keys_or_insecure(micro_pair, tmp_path):
+    data = _profile_data(micro_pair, endpoints={"edge_bind": "tcp://0.0.0.0:0"}, channel={"mode": "passthrough"})
+    with pytest.raises(TestbedError, match="without keys"):
+        run_live(load_profile(data), tmp_path / "run", progress=False)
+    data["security"] = {"keys": str(tmp_path / "no-such-keys")}
+    with pytest.raises(TestbedError, match="no-such-keys"):
+        run_live(load_profile(data), tmp_path / "run2", progress=False)
+
+
+def test_a_run_with_keys_uses_curve_everywhere(micro_pair, tmp_path):
+    import inspect
+
+    from edge_node.server import EdgeServer
+    from testbed.security import generate_keys, stop_authenticators
+
+    generate_keys(tmp_path / "keys", ["d0", "d1"])
+    profile = load_profile(_profile_data(micro_pair, rounds=4, channel={"mode": "real"},
+                                         security={"keys": str(tmp_path / "keys")}))
+    try:
+        if "keys_dir" not in inspect.signature(EdgeServer).parameters:  # an edge without CURVE: said clearly
+            with pytest.raises(TestbedError, match="takes no keys_dir"):
+                run_live(profile, tmp_path / "run", progress=False)
+            return
+        summary = run_live(profile, tmp_path / "run", progress=False)
+    finally:
+        stop_authenticators()
+    meta, records = load_run(tmp_path / "run")
+    assert summary["status"] == "complete" and len(records) == 4 and meta["security"] == "keys"
+    log = (tmp_path / "run" / "logs" / "device-d0.log").read_text()
+    assert "registered" in log or "session" in log
+
+
+def test_an_unwritable_runs_directory_is_a_clear_error(micro_pair, tmp_path):
+    prof = _write_profile(tmp_path / "p.yaml", micro_pair)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = subprocess.run([*CLI, "run", str(prof), "--runs-dir", str(blocker / "runs"), "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "runs directory full or unwritable" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_profile_refuses_infinite_values_and_unknown_hardware(micro_pair):
+    from testbed.profile import ProfileError
+
+    data = _profile_data(micro_pair)
+    data["scenario"]["uplink_bandwidth_hz"] = float("inf")
+    with pytest.raises(ProfileError, match="uplink_bandwidth_hz: inf"):
+        load_profile(data)
+    with pytest.raises(ProfileError, match="hardware.d0: hardware profile 'no-such-phone' not found"):
+        load_profile(_profile_data(micro_pair, hardware={"d0": "no-such-phone"}))
+    assert load_profile(_profile_data(micro_pair, security="insecure")).insecure
+    with pytest.raises(ProfileError, match="security"):
+        load_profile(_profile_data(micro_pair, security="yes please"))
+
+
+# --- units: records, signals, parent death ---------------------------------------------------------
+
+def test_a_failed_write_leaves_no_torn_line_and_ends_with_a_clear_error(tmp_path, monkeypatch):
+    rec = RunRecorder(tmp_path)
+    rec.append_round({"round": 0, "x": 1})
+    real_write = os.write
+
+    def full_disk(fd, data):
+        real_write(fd, bytes(data)[:7])  # part of the line reaches the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(TestbedError, match="runs directory full or unwritable: .*No space left"):
+        rec.append_round({"round": 1, "x": 2})
+    monkeypatch.setattr(os, "write", real_write)
+    assert (tmp_path / "rounds.jsonl").read_text() == '{"round":0,"x":1}\n'
+    rec.append_round({"round": 1, "x": 2})
+    rec.append_round({"round": 1, "x": 2})  # a repeated write of the same round is skipped
+    rec.close()
+    # A torn tail (a process killed mid-write by an older version) is cut when the run is reopened.
+    with open(tmp_path / "rounds.jsonl", "a") as fh:
+        fh.write('{"round": 2, "tru')
+    rec = RunRecorder(tmp_path)
+    assert rec.last_round == 1
+    rec.append_round({"round": 2})
+    rec.close()
+    assert [json.loads(x)["round"] for x in (tmp_path / "rounds.jsonl").read_text().splitlines()] == [0, 1, 2]
+    rec.end_run("failed", "why", {"rounds": 3})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"rounds": 3, "status": "failed", "reason": "why"}
+
+
+def test_sigterm_raises_run_interrupted_once_then_the_shutdown_is_shielded():
+    with interrupt_signals() as guard:
+        with pytest.raises(RunInterrupted) as exc:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert exc.value.signum == signal.SIGTERM and isinstance(exc.value, KeyboardInterrupt)
+        guard.shield()
+        os.kill(os.getpid(), signal.SIGTERM)  # logged, not raised
+        time.sleep(0.05)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_children_die_with_their_parent(tmp_path):
+    code = ("import sys, time; from pathlib import Path; from testbed.launcher import Launcher; "
+            f"p = Launcher(Path({str(tmp_path)!r})).start('sleeper', ['sleep', '60']); "
+            "print(p.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait(5)
+        t0 = time.monotonic()
+        while _alive(child) and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        assert not _alive(child)
+    finally:
+        _kill_all([parent, *([child] if child else [])])
+
+
+def test_launcher_passes_the_token_in_the_environment(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(Launcher, "start", lambda self, label, argv, env=None: seen.update(argv=argv, env=env))
+    Launcher(tmp_path).start_channel("ipc://f", "ipc://e", "ipc://c", "real", 0.001, token="abc", keys_dir="/k")
+    assert seen["env"] == {"MULTISPIN_CHANNEL_TOKEN": "abc"}
+    assert "abc" not in seen["argv"] and seen["argv"][-2:] == ["--keys", "/k"]

@@ -1,0 +1,125 @@
+"""CURVE keys and the ZAP handler: only listed keys get in, and a key speaks only for its own name."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+import zmq
+
+from testbed.security import (
+    ClientKeys,
+    SecurityError,
+    ServerKeys,
+    check_identity,
+    generate_keys,
+    make_client,
+    make_server,
+    require_keys_or_insecure,
+    stop_authenticators,
+)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    generate_keys(tmp_path / "keys", ["dev0", "dev1"])
+    return tmp_path / "keys"
+
+
+@pytest.fixture
+def server(keys):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    make_server(sock, ServerKeys.load(keys))
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, f"tcp://127.0.0.1:{port}"
+    sock.close()
+    stop_authenticators()
+    ctx.term()
+
+
+def dealer(endpoint: str, routing_id: str, client: ClientKeys | None):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTING_ID, routing_id.encode())
+    make_client(s, client)
+    s.connect(endpoint)
+    return s
+
+
+def receive(sock, timeout_ms: int = 1500):
+    if not sock.poll(timeout_ms):
+        return None
+    return sock.recv_multipart(copy=False)
+
+
+def test_layout_and_secret_permissions(keys):
+    assert (keys / "server.key").is_file() and (keys / "server.key_secret").is_file()
+    assert sorted(p.stem for p in (keys / "authorized").glob("*.key")) == ["channel", "dev0", "dev1", "edge"]
+    bundle = keys / "clients" / "dev0"
+    assert sorted(p.name for p in bundle.iterdir()) == ["client.key", "client.key_secret", "server.key"]
+    for secret in keys.rglob("*.key_secret"):
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert ServerKeys.load(keys).authorized.__len__() == 4
+
+
+def test_generate_refuses_overwrite_and_reserved_names(keys):
+    with pytest.raises(SecurityError, match="--force"):
+        generate_keys(keys, ["dev0"])
+    with pytest.raises(SecurityError, match="reserved"):
+        generate_keys(keys.parent / "other", ["edge"])
+    with pytest.raises(SecurityError, match="client name"):
+        generate_keys(keys.parent / "other", ["../evil"])
+
+
+def test_listed_key_gets_in_and_is_named(server, keys):
+    sock, endpoint = server
+    d = dealer(endpoint, "dev0", ClientKeys.for_name(keys, "dev0"))
+    d.send(b"hello")
+    frames = receive(sock)
+    assert frames is not None and frames[0].bytes == b"dev0"
+    assert check_identity("dev0", frames[1]) is None
+    d.close()
+
+
+def test_unlisted_and_plain_clients_never_deliver(server, keys, tmp_path):
+    sock, endpoint = server
+    stranger_dir = tmp_path / "stranger"
+    generate_keys(stranger_dir, ["dev0"])  # a well-formed key pair the server does not list
+    stranger = ClientKeys.load(stranger_dir / "clients" / "dev0")
+    stranger = ClientKeys(stranger.public, stranger.secret, ClientKeys.for_name(keys, "dev0").server_public)
+    a = dealer(endpoint, "dev0", stranger)
+    b = dealer(endpoint, "dev1", None)
+    a.send(b"let me in")
+    b.send(b"me too")
+    assert receive(sock, 1000) is None
+    a.close()
+    b.close()
+
+
+def test_listed_key_cannot_use_another_name(server, keys):
+    sock, endpoint = server
+    d = dealer(endpoint, "dev0", ClientKeys.for_name(keys, "dev1"))
+    d.send(b"I am dev0")
+    frames = receive(sock)
+    assert frames is not None and frames[0].bytes == b"dev0"
+    assert check_identity("dev0", frames[1]) == "the key of 'dev1' cannot speak as 'dev0'"
+    # The channel emulator's key may speak for any device (it checked them on its own frontend).
+    c = dealer(endpoint, "dev1", ClientKeys.for_name(keys, "channel"))
+    c.send(b"forwarded")
+    frames = receive(sock)
+    assert check_identity("dev1", frames[1], forwarder="channel") is None
+    assert check_identity("dev1", frames[1]) is not None
+    d.close()
+    c.close()
+
+
+def test_exposed_endpoint_needs_keys_or_insecure(caplog):
+    require_keys_or_insecure(["ipc:///tmp/x", "tcp://127.0.0.1:5555"], None, False, "edge")
+    require_keys_or_insecure(["tcp://0.0.0.0:5555"], "/keys", False, "edge")
+    with pytest.raises(SecurityError, match="security: insecure"):
+        require_keys_or_insecure(["tcp://0.0.0.0:5555"], None, False, "edge")
+    require_keys_or_insecure(["tcp://0.0.0.0:5555"], None, True, "edge")
+    assert "no authentication" in caplog.text

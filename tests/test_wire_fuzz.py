@@ -1,0 +1,562 @@
+"""No input can kill a node (issue 9, the wire part): fuzzing and golden cases of the guarded decode.
+
+Property, for every target below: whatever a peer sends, `protocol.decode` / `decode_header` / `parse_json`
+and every `messages.parse_*` raise ProtocolError and nothing else; what they return is typed and bounded
+(finite floats, int64 integers, short UTF-8 text); the edge's error reply to it (`messages.error`) never
+raises and decodes again. Inputs: random frames, random JSON headers, valid messages of every type with
+mutated fields and frames (NaN, Infinity, huge integers, booleans, wrong types, deep nesting, huge shapes,
+wrong frame counts, scrambled payloads), and decoded headers mutated with Python values JSON cannot carry.
+
+FUZZ_EXAMPLES examples in all by default (seconds); the `slow` variant runs FUZZ_EXAMPLES_SLOW
+(`pytest -m slow tests/test_wire_fuzz.py`). Derandomized: every run draws the same examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from testbed.core.sampling import RoundRandomness, SamplingParams, exact_from_wire, to_wire_precision
+from testbed.wire import messages as M
+from testbed.wire import protocol as P
+from testbed.wire.protocol import ProtocolError
+
+FUZZ_EXAMPLES = 2_000           # all targets together, default run
+FUZZ_EXAMPLES_SLOW = 100_000    # all targets together, -m slow
+
+V, L, ON_AIR = 50, 3, 64        # the receiver's context: vocabulary, scheduled draft length, on-air width
+
+
+# --- valid messages of every type (the seeds that mutations start from) --------------------------------
+
+def _q(rows: int, seed: int = 0) -> np.ndarray:
+    q = np.random.default_rng(seed).random((rows, V)).astype(np.float32) + 0.01
+    return q / q.sum(axis=1, keepdims=True)
+
+
+_CHANNEL = {"bytes": 1234, "rate_bps": 1e6, "airtime_s": 0.01, "base_latency_s": 0.001, "queued_s": 0.0,
+            "mode": "real", "link": "ul", "round": 4, "dl_access": "tdma", "marker": True, "lead_s": 0.0,
+            "held_s": 0.011, "late_s": 1e-4}
+_TIMINGS = {"draft_s": 0.1, "compute_s": 0.05, "emulated_extra_s": 0.05, "compute_scale": 2.0}
+
+
+def _flat(frames: list) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+def _annotated(frames: list) -> list[bytes]:
+    out = _flat(frames)
+    out[0] = P.annotate_header(out[0], channel=_CHANNEL)
+    return out
+
+
+def _valid_messages() -> dict[str, list[bytes]]:
+    wire = to_wire_precision(_q(L), 16)
+    q_exact = exact_from_wire(wire)
+    toks = [1, 7, 49]
+    p = to_wire_precision(_q(1, seed=1)[0], 16)
+    return {
+        "register": _flat(M.register("dev0", V, {"name": "phone", "compute_scale": 2.0, "threads": 1,
+                                                 "description": "a phone"})),
+        "registered": _flat(M.registered("dev0#1", [1, 2, 3], seed=7,
+                                         sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                                         bits_per_prob=16, on_air_vocab_size=ON_AIR, max_draft_len=8)),
+        "error": _flat(M.error("bad draft", round_index=3)),
+        "bye": _flat(M.done("run complete")),
+        "schedule": _flat(M.schedule(2, "DL", L, 0.2, 0.1, 3.0)),
+        "draft_ul": _annotated(M.draft(4, "UL", toks, q_exact, q_wire=wire, last_token=9, bits_per_prob=16,
+                                       on_air_vocab=ON_AIR, timings=_TIMINGS)),
+        "draft_dl": _annotated(M.draft(4, "DL", toks, q_exact, last_token=9, bits_per_prob=16,
+                                       on_air_vocab=ON_AIR, timings=_TIMINGS)),
+        "verdict_token": _annotated(M.verdict(4, 2, 17)),
+        "verdict_p": _annotated(M.verdict(4, 1, None, p_row=p, bits_per_prob=16, on_air_vocab=ON_AIR)),
+        "verdict_dropped": _flat(M.dropped(4, "late")),
+        "report": _flat(M.report(4, 17, 2, {"correction_s": 0.001}, dict(_CHANNEL, link="dl"))),
+        "tx_start": [P.tx_start_marker("ul")],
+    }
+
+
+VALID = _valid_messages()
+
+# Every parse function with the receiver's context, as the nodes call them.
+PARSERS = {
+    "register": lambda h, a: M.parse_register(h),
+    "registered": lambda h, a: M.parse_registered(h, a, vocab_size=V),
+    "error": lambda h, a: M.parse_error(h),
+    "bye": lambda h, a: M.parse_bye(h),
+    "schedule": lambda h, a: M.parse_schedule(h, max_draft_len=8),
+    "draft_ul": lambda h, a: M.parse_draft(h, a, mode="UL", draft_len=L, vocab_size=V, bits_per_prob=16,
+                                           on_air_vocab=ON_AIR),
+    "draft_dl": lambda h, a: M.parse_draft(h, a, mode="DL", draft_len=L, vocab_size=V, bits_per_prob=16,
+                                           on_air_vocab=ON_AIR),
+    "verdict": lambda h, a: M.parse_verdict(h, a, draft_len=L, vocab_size=V, bits_per_prob=16,
+                                            on_air_vocab=ON_AIR),
+    "report": lambda h, a: M.parse_report(h, V),
+}
+
+
+def test_valid_messages_parse():
+    """The seeds are valid: each parses with its own parser (so mutations start from accepted input)."""
+    own = {"draft_ul": "draft_ul", "draft_dl": "draft_dl", "verdict_token": "verdict", "verdict_p": "verdict",
+           "verdict_dropped": "verdict"}
+    for name, frames in VALID.items():
+        header, arrays = P.decode(frames)
+        if name != "tx_start":
+            _check_result(PARSERS[own.get(name, name)](header, arrays))
+
+
+# --- the property ----------------------------------------------------------------------------------------
+
+INT64 = 2**63 - 1
+
+
+def _check_result(value, path: str = "result") -> None:
+    """What a parse_* returns is safe to use: finite floats, int64 ints, short UTF-8 text, flat containers."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _check_result(getattr(value, f.name), f"{path}.{f.name}")
+    elif value is None or isinstance(value, bool):
+        pass
+    elif isinstance(value, float):
+        assert math.isfinite(value), path
+    elif isinstance(value, int):
+        assert abs(value) <= INT64, path
+    elif isinstance(value, str):
+        assert len(value) <= 2000, path
+        value.encode("utf-8")
+    elif isinstance(value, (list, tuple)):
+        for i, x in enumerate(value):
+            _check_result(x, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, x in value.items():
+            assert isinstance(k, str), path
+            assert not isinstance(x, (dict, list)), f"{path}.{k} is nested"
+            _check_result(x, f"{path}.{k}")
+    elif isinstance(value, np.ndarray):
+        if value.dtype.kind == "f":
+            assert np.all(np.isfinite(value)), path
+    else:
+        raise AssertionError(f"{path}: unexpected {type(value).__name__}")
+    if isinstance(value, M.Registered):  # what the device does with it next must not raise either
+        SamplingParams(**value.sampling)
+        RoundRandomness(value.seed, "dev0", 0)
+    if isinstance(value, (M.Draft, M.Schedule, M.Verdict, M.Report)):
+        RoundRandomness(0, "dev0", value.round)
+
+
+def _refuse_like_the_edge(exc: ProtocolError, header) -> None:
+    """The edge answers a refusal with M.error(str(exc), round_index=header.get('round')): never raises."""
+    r = header.get("round") if isinstance(header, dict) else None
+    reply = P.decode(_flat(M.error(f"malformed message: {exc}", round_index=r)))[0]
+    _check_result(M.parse_error(reply))
+
+
+def _parse_everything(header: dict, arrays: dict) -> None:
+    for parse in PARSERS.values():
+        try:
+            result = parse(header, arrays)
+        except ProtocolError as exc:
+            _refuse_like_the_edge(exc, header)
+        else:
+            _check_result(result)
+
+
+def check_frames(frames: list) -> None:
+    """A node's receive path: decode (edge and device), decode_header + annotate (emulator), then parse."""
+    try:
+        P.decode_header(frames[0] if frames else b"")
+        P.annotate_header(frames[0], channel=_CHANNEL)
+    except ProtocolError:
+        pass
+    try:
+        header, arrays = P.decode(frames)
+    except ProtocolError as exc:
+        _refuse_like_the_edge(exc, None)
+        return
+    _parse_everything(header, arrays)
+
+
+def check_dict(pair: tuple[dict, dict]) -> None:
+    _parse_everything(*pair)
+
+
+def check_error_reply(args: tuple) -> None:
+    message, round_index = args
+    h = P.decode(_flat(M.error(message, round_index=round_index)))[0]
+    err = M.parse_error(h)
+    assert err.round is None or (type(err.round) is int and err.round >= 0)
+    _check_result(err)
+
+
+def check_encode(value) -> None:
+    """Strict JSON on the way out: encode_header raises ProtocolError or gives what parse_json accepts."""
+    try:
+        raw = P.encode_header({"type": "x", "value": value})
+    except ProtocolError:
+        return
+    P.decode_header(raw)
+
+
+def check_parse_json(raw) -> None:
+    try:
+        P.parse_json(raw, what="control request")
+    except ProtocolError:
+        pass
+
+
+# --- strategies -----------------------------------------------------------------------------------------
+
+# JSON text that Python's json accepts but the protocol must refuse, spliced in verbatim.
+NASTY_RAW = [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999", b"9" * 4301, b"-" + b"9" * 5000,
+             b"99999999999999999999", b"9223372036854775808", b"1" + b"0" * 400 + b".0", b'"\\ud800"',
+             b'"\\udfff x"', b"[" * 1500 + b"]" * 1500, b'{"a":' * 40 + b"1" + b"}" * 40,
+             b"[" * 17 + b"1" + b"]" * 17,
+             b"true", b"false", b"null", b'"fast"', b'""', b"[]", b"{}", b"-1", b"0", b"1.5", b"-0.0", b"1e308",
+             b"2147483648", b"16777217", b"[4294967296,4294967296]", b"[true]", b"[2,-1]", b"[1,1,1,1,1]",
+             b'"' + b"x" * 5000 + b'"', b'{"bytes":"lots"}', b'{"held_s":1e400}']
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
+json_values = st.recursive(json_scalars, lambda kids: st.one_of(
+    st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)), max_leaves=12)
+# Python values a parse_* may meet in a header dict handed to it directly (not only what JSON can carry).
+python_nasty = st.one_of(json_values, st.sampled_from([math.nan, math.inf, -math.inf, 10**400, -(10**400), 2**63,
+                                                       True, False, "x" * 10_000, "\ud800", b"bytes", (1, 2)]))
+# Keys a mutation may add: every field any message has, so that a field can appear where it is not expected.
+KNOWN_KEYS = sorted({"v", "type", "arrays", "round", "mode", "draft_len", "ul_power_w", "dl_power_w", "deadline_s",
+                     "last_token", "timings", "channel", "dl_channel", "air", "n_accepted", "token", "dropped",
+                     "reason", "message", "fatal", "name", "vocab_size", "hardware", "session", "seed", "sampling",
+                     "bits_per_prob", "on_air_vocab_size", "max_draft_len", "tx_marker", "shape", "dtype",
+                     *_CHANNEL, *_TIMINGS, "correction_s", "temperature", "top_k", "top_p", "compute_scale"})
+
+
+def _paths(value, prefix=()) -> list[tuple]:
+    """Every place in a parsed header (dict keys and list indices), depth first."""
+    out = []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, x in items:
+        out.append(prefix + (k,))
+        out += _paths(x, prefix + (k,))
+    return out
+
+
+def _containers(value, prefix=()) -> list[tuple]:
+    out = [prefix] if isinstance(value, dict) else []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, x in items:
+        out += _containers(x, prefix + (k,))
+    return out
+
+
+def _at(root, path):
+    for k in path:
+        root = root[k]
+    return root
+
+
+@st.composite
+def mutated_messages(draw) -> list:
+    """A valid message of a random type, 1-3 of its fields (or new ones) set to nasty values, maybe a frame
+    mutation on top."""
+    frames = list(VALID[draw(st.sampled_from(sorted(VALID)))])
+    header = json.loads(frames[0])
+    splices: dict[bytes, bytes] = {}
+    for i in range(draw(st.integers(1, 3))):
+        action = draw(st.sampled_from(["set", "set", "raw", "raw", "delete", "add"]))
+        paths = _paths(header)
+        # Mostly the message's own fields: a broken envelope (v, type, the arrays table) stops at decode and
+        # would leave the parse_* functions little to chew on.
+        if draw(st.integers(0, 3)) != 3:
+            paths = [q for q in paths if q[0] not in ("v", "type", "arrays")] or paths
+        if action in ("set", "raw") and paths:
+            path = draw(st.sampled_from(paths))
+        elif action == "delete" and paths:
+            path = draw(st.sampled_from(paths))
+            parent = _at(header, path[:-1])
+            del parent[path[-1]]
+            continue
+        else:
+            path = draw(st.sampled_from(_containers(header))) + (draw(st.sampled_from(KNOWN_KEYS)),)
+        if draw(st.booleans()) or action == "raw":
+            marker = f"@@raw{i}@@"
+            splices[json.dumps(marker).encode()] = draw(st.sampled_from(NASTY_RAW))
+            value = marker
+        else:
+            value = draw(json_values)
+        _at(header, path[:-1])[path[-1]] = value
+    text = json.dumps(header).encode()
+    for marker, raw in splices.items():
+        text = text.replace(marker, raw)
+    frames[0] = text
+    return _mutate_frames(draw, frames)
+
+
+def _mutate_frames(draw, frames: list) -> list:
+    action = draw(st.sampled_from(["none", "none", "none", "drop", "extra", "truncate", "scramble", "swap"]))
+    if action == "drop" and len(frames) > 1:
+        del frames[draw(st.integers(1, len(frames) - 1))]
+    elif action == "extra":
+        frames.append(draw(st.binary(max_size=64)))
+    elif action == "truncate" and len(frames) > 1:
+        i = draw(st.integers(1, len(frames) - 1))
+        frames[i] = frames[i][: draw(st.integers(0, max(0, len(frames[i]) - 1)))]
+    elif action == "scramble" and len(frames) > 1:  # same length, random content: NaN rows, bad ids
+        i = draw(st.integers(1, len(frames) - 1))
+        frames[i] = draw(st.binary(min_size=len(frames[i]), max_size=len(frames[i])))
+    elif action == "swap" and len(frames) > 2:
+        frames[1], frames[2] = frames[2], frames[1]
+    return frames
+
+
+random_frames = st.lists(st.binary(max_size=512), max_size=P.MAX_FRAMES + 2)
+
+
+@st.composite
+def random_json_headers(draw) -> list:
+    """A JSON object with a version and a type (so it gets past the envelope checks) and random fields."""
+    body = draw(st.dictionaries(st.sampled_from(KNOWN_KEYS), json_values, max_size=6))
+    body.setdefault("v", 1)
+    body.setdefault("type", draw(st.sampled_from([*M.MESSAGE_TYPES, P.TX_START, "x"])))
+    return [json.dumps(body).encode(), *draw(st.lists(st.binary(max_size=64), max_size=3))]
+
+
+@st.composite
+def mutated_dicts(draw) -> tuple[dict, dict]:
+    """A decoded valid message, its header and arrays altered with Python values JSON cannot carry."""
+    header, arrays = P.decode(VALID[draw(st.sampled_from(sorted(VALID)))])
+    header, arrays = json.loads(json.dumps(header)), dict(arrays)
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(_containers(header))) + (draw(st.sampled_from(KNOWN_KEYS)),)
+        _at(header, path[:-1])[path[-1]] = draw(python_nasty)
+    if draw(st.booleans()):
+        name = draw(st.sampled_from(["tokens", "q", "q_at", "p", "prompt_ids"]))
+        arrays[name] = draw(st.one_of(
+            hnp.arrays(st.sampled_from([np.int32, np.int64, np.float16, np.float32, np.float64, np.uint32]),
+                       hnp.array_shapes(min_dims=0, max_dims=3, max_side=ON_AIR + 2)),
+            st.sampled_from([None, [1, 2, 3], "q", 7])))
+    return header, arrays
+
+
+error_args = st.tuples(st.one_of(st.text(max_size=3000), python_nasty),
+                       st.one_of(python_nasty, st.integers(-(2**70), 2**70)))
+
+# name -> (strategy, check, weight in the example budget)
+TARGETS = {
+    "random_frames": (random_frames, check_frames, 2),
+    "random_json_headers": (random_json_headers(), check_frames, 3),
+    "mutated_messages": (mutated_messages(), check_frames, 8),
+    "mutated_dicts": (mutated_dicts(), check_dict, 4),
+    "error_reply": (error_args, check_error_reply, 1),
+    "encode_header": (python_nasty, check_encode, 1),
+    "parse_json": (st.one_of(st.binary(max_size=256), st.text(max_size=256)), check_parse_json, 1),
+}
+
+
+def _examples(total: int, name: str) -> int:
+    return max(1, round(total * TARGETS[name][2] / sum(w for _, _, w in TARGETS.values())))
+
+
+def _run(name: str, total: int) -> None:
+    strategy, check, _ = TARGETS[name]
+    run = settings(max_examples=_examples(total, name), derandomize=True, database=None, deadline=None,
+                   suppress_health_check=list(HealthCheck))(given(strategy)(check))
+    run()
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_fuzz(name):
+    _run(name, FUZZ_EXAMPLES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_fuzz_slow(name):
+    _run(name, FUZZ_EXAMPLES_SLOW)
+
+
+# --- golden cases: the known killers, each about 100 bytes ----------------------------------------------
+
+def _hdr(fields: bytes) -> bytes:
+    return b'{"v":1,"type":"draft",' + fields + b"}"
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (b'"round":NaN', r"header\.round: NaN is not allowed; numbers must be finite"),
+    (b'"round":Infinity', r"header\.round: Infinity is not allowed"),
+    (b'"timings":{"draft_s":-Infinity}', r"header\.timings\.draft_s: -Infinity"),
+    (b'"round":1e999', r"header\.round: inf is not allowed; numbers must be finite"),
+    (b'"round":' + b"9" * 4301, r"header\.round: an integer of 4301 digits is not allowed"),
+    (b'"round":' + b"9" * 21, r"header\.round: an integer of 21 digits"),
+    (b'"round":-' + b"9" * 19, r"header\.round: -9{19} is not allowed; integers must fit int64"),
+    (b'"round":9223372036854775808', r"header\.round: 9223372036854775808 is not allowed; integers must fit int64"),
+    (b'"x":' + b"[" * 5000 + b"]" * 5000, "nesting depth 5001 exceeds 16"),
+    (b'"x":"\\ud800"', r"header\.x: a string with a lone surrogate"),
+    (b'"round":1,"round":2', "duplicate key 'round'"),
+    (b'"x":[' + b"0," * 5000 + b"0]", "more than 4096 values"),  # CPU per message stays bounded
+])
+def test_killer_headers_are_refused(fields, fragment):
+    raw = _hdr(fields)
+    for decode in (lambda: P.decode([raw]), lambda: P.decode_header(raw), lambda: P.annotate_header(raw, a=1)):
+        with pytest.raises(ProtocolError, match=fragment):
+            decode()
+
+
+@pytest.mark.parametrize("shape, fragment", [
+    (b"[4294967296,4294967296]", "exceeds the limit"),  # the int64 product overflowed to 0: b"" matched it
+    (b"[0,4611686018427387904]", "exceeds the limit"),  # 0 elements, but numpy refuses the dimension
+    (b"[65536,65536,65536,65536]", "exceeds the limit"),
+    (b"[true]", "shape"),  # bool passed as int
+    (b"[2.0]", "shape"),
+    (b"[1,1,1,1,1]", "shape"),
+    (b'"4"', "shape"),
+])
+def test_killer_array_shapes_are_refused(shape, fragment):
+    raw = b'{"v":1,"type":"draft","arrays":[{"name":"q","dtype":"float16","shape":' + shape + b"}]}"
+    with pytest.raises(ProtocolError, match=fragment):
+        P.decode([raw, b""])
+
+
+def test_decode_turns_any_exception_into_protocol_error():
+    with pytest.raises(ProtocolError):
+        P.decode([object()])
+    with pytest.raises(ProtocolError):
+        P.decode(None)
+    with pytest.raises(ProtocolError, match="not JSON"):
+        P.decode([b'{"v":1,"type":"x","m":"' + b'\\"' * 20000])  # an unclosed string: linear, refused
+
+
+def test_error_reply_never_raises_on_peer_content():
+    """The edge answered a NaN round with M.error(..., round_index=nan), which raised while encoding."""
+    for r in (math.nan, math.inf, 10**400, -1, True, "3", [3], {"r": 3}, 2**63):
+        h = P.decode(_flat(M.error("x" * 10_000 + "\ud800", round_index=r)))[0]
+        assert h["round"] is None and len(h["message"]) <= M.MAX_TEXT
+    assert P.decode(_flat(M.error(10**5000, round_index=7)))[0] == {  # str() of it raises
+        "v": 1, "type": "error", "message": "<int>", "round": 7, "fatal": False}
+
+
+def test_encode_header_is_strict():
+    with pytest.raises(ProtocolError, match=r"header\.timings\.draft_s: a non-finite number"):
+        P.encode_header({"type": "draft", "timings": {"draft_s": math.inf}})
+    with pytest.raises(ProtocolError, match=r"header\.x\[1\]"):
+        P.encode_header({"type": "x", "x": [1.0, math.nan]})
+    with pytest.raises(ProtocolError, match="strict JSON"):
+        P.encode_header({"type": "x", "x": np.float32(1)})
+    with pytest.raises(ProtocolError, match="exceeds"):
+        P.encode_header({"type": "x", "pad": "a" * P.MAX_HEADER_BYTES})
+
+
+def _draft_header(**changes) -> tuple[dict, dict]:
+    header, arrays = P.decode(VALID["draft_dl"])
+    header.update(changes)
+    return header, arrays
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"timings": {"draft_s": "fast"}}, r"draft\.timings\.draft_s: 'fast' is not allowed"),
+    ({"timings": {"draft_s": math.inf}}, r"draft\.timings\.draft_s: inf"),
+    ({"timings": {"compute_s": -1.0}}, r"draft\.timings\.compute_s: -1\.0"),
+    ({"timings": ["draft_s"]}, r"draft\.timings: \['draft_s'\] is not allowed"),
+    ({"channel": {"bytes": "lots"}}, r"draft\.channel\.bytes: 'lots'"),
+    ({"channel": {"bytes": 10**30}}, r"draft\.channel\.bytes"),
+    ({"channel": {"held_s": math.nan}}, r"draft\.channel\.held_s: nan"),
+    ({"channel": {"airtime_s": -5.0}}, r"draft\.channel\.airtime_s"),
+    ({"channel": {"mode": "warp"}}, r"draft\.channel\.mode: 'warp'"),
+    ({"channel": {"marker": 1}}, r"draft\.channel\.marker: 1"),
+    ({"channel": "forged"}, r"draft\.channel: 'forged'"),
+    ({"round": True}, r"draft\.round: True"),
+    ({"round": -1}, r"draft\.round: -1"),
+    ({"last_token": 2.0}, r"draft\.last_token: 2\.0"),
+])
+def test_draft_fields_that_crashed_the_edge_later_are_refused(changes, fragment):
+    header, arrays = _draft_header(**changes)
+    with pytest.raises(ProtocolError, match=fragment):
+        PARSERS["draft_dl"](header, arrays)
+
+
+def test_draft_timings_and_channel_come_out_typed():
+    header, arrays = _draft_header(timings={**_TIMINGS, "draft_s": 1, "gpu_s": "n/a"},
+                                   channel={**_CHANNEL, "rate_bps": None, "extra": [1]})
+    d = PARSERS["draft_dl"](header, arrays)
+    assert d.timings == {**_TIMINGS, "draft_s": 1.0} and type(d.timings["draft_s"]) is float  # unknown key dropped
+    assert d.channel == {**_CHANNEL, "rate_bps": None}
+    _check_result(d)
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"dl_channel": {"airtime_s": math.inf}}, r"report\.dl_channel\.airtime_s: inf"),
+    ({"dl_channel": {"queued_s": "0"}}, r"report\.dl_channel\.queued_s"),
+    ({"dl_channel": [1]}, r"report\.dl_channel: \[1\]"),
+    ({"timings": {"correction_s": math.inf}}, r"report\.timings\.correction_s: inf"),
+    ({"n_accepted": 10**6}, r"report\.n_accepted"),
+    ({"token": True}, r"report\.token: True"),
+])
+def test_report_fields_are_refused(changes, fragment):
+    header, _ = P.decode(VALID["report"])
+    header.update(changes)
+    with pytest.raises(ProtocolError, match=fragment):
+        M.parse_report(header, V)
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"seed": -1}, r"registered\.seed: -1"),
+    ({"seed": 1.5}, r"registered\.seed: 1\.5"),
+    ({"sampling": {"temperature": math.nan}}, r"registered\.sampling\.temperature: nan"),
+    ({"sampling": {"top_p": 0.0}}, r"registered\.sampling\.top_p: 0\.0"),
+    ({"sampling": {"top_k": True}}, r"registered\.sampling\.top_k: True"),
+    ({"sampling": {"beam": 4}}, r"registered\.sampling: unknown field\(s\) \['beam'\]"),
+    ({"sampling": None}, r"registered\.sampling: None"),
+    ({"bits_per_prob": 8}, r"registered\.bits_per_prob: 8"),
+    ({"on_air_vocab_size": 2**40}, r"registered\.on_air_vocab_size"),
+    ({"max_draft_len": 0}, r"registered\.max_draft_len: 0"),
+    ({"tx_marker": "yes"}, r"registered\.tx_marker: 'yes'"),
+    ({"session": ""}, r"registered\.session"),
+])
+def test_registered_fields_are_refused(changes, fragment):
+    header, arrays = P.decode(VALID["registered"])
+    header.update(changes)
+    with pytest.raises(ProtocolError, match=fragment):
+        M.parse_registered(header, arrays, vocab_size=V)
+
+
+def test_registered_prompt_ids_are_checked():
+    header, arrays = P.decode(VALID["registered"])
+    for bad, fragment in ((np.array([1, -2], np.int32), r"\[-2, 1\]"), (np.array([V], np.int32), rf"\[0, {V}\)"),
+                          (np.array([], np.int32), "shape"), (np.array([1.0]), "float64")):
+        with pytest.raises(ProtocolError, match=r"registered\.prompt_ids.*" + fragment):
+            M.parse_registered(header, {**arrays, "prompt_ids": bad}, vocab_size=V)
+
+
+@pytest.mark.parametrize("hardware, fragment", [
+    ([1], r"register\.hardware: \[1\]"),
+    ({f"k{i}": 1 for i in range(M.MAX_HARDWARE_FIELDS + 1)}, r"register\.hardware: .* at most 16"),
+    ({"compute_scale": math.inf}, r"register\.hardware\.compute_scale: inf"),
+    ({"threads": True}, r"register\.hardware\.threads: True"),
+    ({"name": 7}, r"register\.hardware\.name: 7"),
+    ({"extra": {"nested": 1}}, r"register\.hardware\.extra"),
+    ({"extra": "x" * 5000}, r"register\.hardware\.extra"),
+])
+def test_register_hardware_is_bounded(hardware, fragment):
+    header, _ = P.decode(VALID["register"])
+    with pytest.raises(ProtocolError, match=fragment):
+        M.parse_register({**header, "hardware": hardware})
+
+
+def test_schedule_and_verdict_fields_are_refused():
+    h, a = P.decode(VALID["schedule"])
+    for changes, fragment in (({"deadline_s": math.inf}, "schedule.deadline_s: inf"),
+                              ({"ul_power_w": -1}, "schedule.ul_power_w: -1"),
+                              ({"round": 2**31}, "schedule.round"), ({"draft_len": True}, "schedule.draft_len: True")):
+        with pytest.raises(ProtocolError, match=fragment):
+            M.parse_schedule({**h, **changes}, max_draft_len=8)
+    h, a = P.decode(VALID["verdict_token"])
+    for changes, fragment in (({"dropped": "no"}, "verdict.dropped: 'no'"), ({"token": 1.0}, "verdict.token: 1.0"),
+                              ({"channel": {"late_s": math.inf}}, "verdict.channel.late_s: inf")):
+        with pytest.raises(ProtocolError, match=fragment):
+            PARSERS["verdict"]({**h, **changes}, a)

@@ -27,6 +27,7 @@ own DL link at its configured ``dl_rate_bps``; ``tdma`` serialises all DL messag
 at its device's ``dl_rate_bps`` (the full-band rate).
 
 Virtual mode (``mode="virtual"``): forward at once, annotate the air time (and queueing) it would have taken.
+Every ``configure`` (one per round) empties the virtual queues: queueing is accounted within a round only.
 
 The ``channel`` annotation: ``bytes`` (all frames of the message body), ``rate_bps`` (null: not charged),
 ``airtime_s`` = 8 bytes / rate, ``base_latency_s``, ``queued_s`` (waiting for the link), ``held_s`` (from the
@@ -80,7 +81,14 @@ from testbed.security import (
     make_server,
     stop_authenticators,
 )
-from testbed.wire.protocol import TX_START, ProtocolError, annotate_header, decode_header, encode_header
+from testbed.wire.protocol import (
+    TX_START,
+    ProtocolError,
+    annotate_header,
+    decode_header,
+    encode_header,
+    parse_json,
+)
 
 log = logging.getLogger("channel_emulator.proxy")
 
@@ -90,6 +98,7 @@ TOKEN_ENV = "MULTISPIN_CHANNEL_TOKEN"  # where a parent process hands the contro
 MAX_IDENTITIES = 512     # one DEALER (one file descriptor) per identity: stay well below the fd limit
 IDLE_REAP_S = 600.0      # an identity silent this long loses its DEALER
 MAX_MSGS_PER_S = 2000.0  # per identity, averaged over a one-second burst
+MAX_CONTROL_REPLY_BYTES = 16 * 1024 * 1024  # stats of many links; still bounded
 
 
 class ConfigError(ValueError):
@@ -191,7 +200,7 @@ class ChannelProxy:
         self.counters = {"passed": 0, "charged": 0, "markers": 0, "stale_markers": 0, "malformed": 0,
                          "refused_identity": 0, "unconfigured": 0, "unknown_peer": 0, "errors": 0,
                          "impersonation": 0, "identity_cap": 0, "reaped": 0, "rate_limited": 0,
-                         "queued_behind": 0, "control_refused": 0, "undeliverable": 0}
+                         "queued_behind": 0, "control_refused": 0, "undeliverable": 0, "forged_annotation": 0}
         self.held_on_link: dict[tuple[str, bytes], int] = defaultdict(int)   # held messages per (dir, device)
         self.link_release: dict[tuple[str, bytes], float] = {}               # latest held deadline per link
         self.last_seen: dict[bytes, float] = {}
@@ -284,6 +293,11 @@ class ChannelProxy:
                 log.debug("forwarding malformed message from %r unchanged: %s", ident, exc)
         if header is None or header.get("air") not in ("ul", "dl"):
             self.counters["passed"] += 1
+            if header is not None and "channel" in header:
+                # Only the emulator writes air-time annotations: a sender's own would pass for measured ones.
+                self.counters["forged_annotation"] += 1
+                body = list(body)
+                body[h] = annotate_header(body[h].bytes, channel=None)
             if self.held_on_link[(direction, ident)]:
                 # Behind a held message of the same link (e.g. the next schedule behind a verdict): keep order.
                 self.counters["queued_behind"] += 1
@@ -414,7 +428,12 @@ class ChannelProxy:
                 return {"ok": False, "error": str(exc)}
             if cfg.pop("mode") is not None:
                 self.mode = msg["mode"]
-            if cfg["dl_access"] != self.config["dl_access"]:
+            if self.mode == "virtual":
+                # Virtual air time never passes on this clock: a link stays "busy" far past the real time, so
+                # each round (one configure) starts with empty queues, or they grow without bound round after
+                # round. Queueing within the round (FIFO per link, the shared tdma DL) is still accounted.
+                self.free_at = {}
+            elif cfg["dl_access"] != self.config["dl_access"]:
                 self.free_at = {k: v for k, v in self.free_at.items() if k[0] == "ul"}
             self.config = cfg
             return {"ok": True, "round": cfg["round"], "mode": self.mode}
@@ -520,11 +539,18 @@ class ChannelControl:
             msg = {**msg, "token": self.token}
         try:
             self.sock.send(encode_header(msg))  # versioned, strict JSON (a NaN is refused here, not there)
-            reply = json.loads(self.sock.recv())
+            raw = self.sock.recv()
         except zmq.Again:
             self._connect()  # a REQ socket is stuck after a lost reply ("lazy pirate")
             raise TimeoutError(f"channel emulator at {self.endpoint} did not answer "
                                f"{msg.get('type')!r} within {self.timeout_ms} ms") from None
+        try:  # the reply is peer input too: strict and bounded, like every header
+            reply = parse_json(raw, what="control reply", max_bytes=MAX_CONTROL_REPLY_BYTES,
+                               max_items=MAX_CONTROL_REPLY_BYTES // 8)
+        except ProtocolError as exc:
+            raise RuntimeError(f"channel emulator sent an invalid reply to {msg.get('type')!r}: {exc}") from None
+        if not isinstance(reply, dict):
+            raise RuntimeError(f"channel emulator sent a non-object reply to {msg.get('type')!r}")
         if not reply.get("ok"):
             raise RuntimeError(f"channel emulator refused {msg.get('type')!r}: {reply.get('error')}")
         return reply

@@ -16,12 +16,17 @@ Robustness (a LAN is shared, edges restart):
   it sent nothing for that period, and leaves with `ExitCode.EDGE_GONE` when the edge was silent for
   ``liveness`` periods; with ``reconnect`` it reopens the socket and registers again until the edge returns;
 - with client keys (``--keys``, `testbed.security`) the socket is a CURVE client of the edge (or emulator).
+
+Link probe (``--link-probe SPEC``, `device_node.link_probe`): a background thread measures the radio link;
+every report (and every heartbeat of an idle device) carries the latest reading with its age on this
+device's clock (`link_reading`), never the clock itself: the edge dates it on its own clock.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 
@@ -29,6 +34,7 @@ import zmq
 
 from device_node.drafting import Draft, Drafter
 from device_node.hardware import HardwareProfile, load_hardware
+from device_node.link_probe import BackgroundProbe, LinkMeasurement, NoneProbe, make_probe
 from device_node.options import EPILOG, ExitCode, add_arguments
 from testbed.core.sampling import RoundRandomness, SamplingParams, sample_correction
 from testbed.security import ClientKeys, SecurityError, make_client
@@ -52,8 +58,10 @@ class DeviceNode:
     def __init__(self, connect: str, name: str, drafter: Drafter, hardware: HardwareProfile | None = None, *,
                  register_timeout_s: float = 120.0, idle_timeout_s: float = 300.0, tx_marker: bool = True,
                  keys: ClientKeys | None = None, reconnect: bool = False,
-                 register_retry_s: float = REGISTER_RETRY_S, register_retry_max_s: float = REGISTER_RETRY_MAX_S):
+                 register_retry_s: float = REGISTER_RETRY_S, register_retry_max_s: float = REGISTER_RETRY_MAX_S,
+                 link_probe: BackgroundProbe | None = None):
         self.connect, self.name, self.drafter = connect, name, drafter
+        self.link_probe = link_probe
         self.hardware = hardware or HardwareProfile()
         self.register_timeout_s, self.idle_timeout_s = register_timeout_s, idle_timeout_s
         self.tx_marker_wanted = self.tx_marker = tx_marker
@@ -96,8 +104,10 @@ class DeviceNode:
         self._send(frames, copy=False)
 
     def _heartbeat(self) -> None:
+        link = self._link()
+        frames = M.heartbeat() if link is None else P.encode({"type": P.HEARTBEAT, "link": link})
         try:  # never block on a dead peer's full queue: a lost heartbeat is what liveness is for
-            self.sock.send_multipart(M.heartbeat(), flags=zmq.NOBLOCK)
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
             self.last_sent = time.monotonic()
         except zmq.Again:
             pass
@@ -352,7 +362,35 @@ class DeviceNode:
         self.drafter.commit(v.n_accepted, token)
         self.committed.extend(draft.tokens[: v.n_accepted] + [token])
         self.rounds_done += 1
-        self._send(M.report(sched.round, token, v.n_accepted, {"correction_s": correction_s}, v.channel))
+        self._send(M.report(sched.round, token, v.n_accepted, {"correction_s": correction_s}, v.channel,
+                            link=self._link()))
+
+    def _link(self) -> dict | None:
+        """The latest link reading for the edge (None without a probe or before its first reading)."""
+        m = None if self.link_probe is None else self.link_probe.latest()
+        return None if m is None else link_reading(m)
+
+
+def link_reading(m: LinkMeasurement, now: float | None = None) -> dict:
+    """A measurement as a report's `link` (`M.LINK_FIELDS`): its age on this device's clock instead of the
+    time. A value outside the wire's bounds is left out and said in `error` (the edge would refuse the whole
+    report, and with it the round's tokens); texts are cut to their bounds."""
+    out: dict = {"age_s": min(m.age_s(now), M.LINK_FIELDS["age_s"][2])}
+    notes = []
+    for key in ("snr_db", "signal_dbm", "noise_dbm"):
+        value = getattr(m, key)
+        _, lo, hi = M.LINK_FIELDS[key]
+        if value is None:
+            continue
+        if isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi:
+            out[key] = float(value)
+        else:
+            notes.append(f"{key}={value!r} outside [{lo:g}, {hi:g}]")
+    error = "; ".join(x for x in (m.error, *notes) if x) or None
+    for key, text in (("source", m.source), ("error", error)):
+        if text is not None:
+            out[key] = str(text)[: M.LINK_FIELDS[key][2]]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,20 +430,26 @@ def run_from_args(args) -> ExitCode:
             print(f"device: error: --keys: {exc}", file=sys.stderr)
             return ExitCode.USAGE
     try:
+        # A thread only for a real probe; a bad SPEC or period fails here, before the model loads.
+        probe = make_probe(args.link_probe)
+        probe_thread = None if isinstance(probe, NoneProbe) else BackgroundProbe(probe, args.link_probe_period_s)
         hardware = load_hardware(args.hardware)
         drafter = OnnxDrafter(args.draft, threads=hardware.threads)
-    except (ValueError, FileNotFoundError) as exc:  # the message names the file or the profile
+    except (ValueError, FileNotFoundError) as exc:  # the message names the file, the profile or the SPEC
         print(f"device: error: {exc}", file=sys.stderr)
         # The edge would otherwise wait for this device until its wait_for_devices_s.
         tell_edge(args.connect, args.name, f"device {args.name} cannot start: {exc}", keys,
                   wait_s=min(5.0, args.register_timeout))
         return ExitCode.USAGE
     node = DeviceNode(args.connect, args.name, drafter, hardware, register_timeout_s=args.register_timeout,
-                      tx_marker=not args.no_tx_marker, keys=keys, reconnect=args.reconnect)
+                      tx_marker=not args.no_tx_marker, keys=keys, reconnect=args.reconnect,
+                      link_probe=probe_thread.start() if probe_thread else None)
     try:
         return node.run()
     finally:
         node.close()
+        if probe_thread is not None:
+            probe_thread.stop()
 
 
 if __name__ == "__main__":

@@ -35,8 +35,29 @@ _ALL_EXITS = sorted([(int(code), text) for code, text in EXIT_HELP.items()] + [(
 EPILOG = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in _ALL_EXITS)
 
 
+TRANSPORTS = ("tcp", "ipc", "inproc")
+
+
+def endpoint(text: str) -> str:
+    """--connect: a ZeroMQ endpoint with its transport. Without one (`127.0.0.1:5600`) ZeroMQ fails deep in
+    connect() with a bare "Invalid argument"; here the user reads what to write instead."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        example = f"tcp://{text}" if ":" in text else f"tcp://{text}:PORT"
+        raise argparse.ArgumentTypeError(f"{text!r} has no transport: use tcp://HOST:PORT (here: {example})")
+    if scheme not in TRANSPORTS:
+        raise argparse.ArgumentTypeError(f"{text!r}: transport {scheme!r} is not supported: use tcp://HOST:PORT "
+                                         f"(or ipc://PATH on one host)")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"{text!r}: use tcp://HOST:PORT with a port 1..65535")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--connect", required=True, help="edge (or channel emulator) endpoint, tcp://HOST:PORT")
+    parser.add_argument("--connect", required=True, type=endpoint, metavar="tcp://HOST:PORT",
+                        help="edge (or channel emulator) endpoint, tcp://HOST:PORT")
     parser.add_argument("--name", required=True, help="device name (its ZeroMQ identity; one of the profile's devices)")
     parser.add_argument("--draft", required=True, help="path to the draft model's ONNX file")
     parser.add_argument("--hardware", default=None, help="hardware profile name or YAML path (default: edge-class)")
@@ -49,3 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this device's key bundle (DIR/client.key_secret, DIR/server.key) from "
                              "`multispin keys generate`: CURVE-encrypted, authenticated link")
     parser.add_argument("--no-tx-marker", action="store_true", help="do not send tx_start markers")
+    parser.add_argument("--link-probe", default="none", metavar="SPEC",
+                        help="measure the radio link and send the edge the latest reading with each report: "
+                             "linux-wireless[:IFACE] | file:PATH | command:CMD | none (default: none)")
+    parser.add_argument("--link-probe-period-s", type=float, default=1.0, metavar="S",
+                        help="seconds between two link measurements (default: 1)")

@@ -5,7 +5,8 @@ device gets its schedule; drafts are collected until every scheduled device draf
 deadline; ONE `verifier.verify` call scores every device's drafts; accept/reject runs here for every device
 (shared sampling code); UL-mode corrections are sampled here, DL-mode devices get p_j and correct
 themselves; each device reports back; the round record (predicted next to measured, per phase and device)
-is written and fsynced as the round ends.
+is written and fsynced as the round ends. With a virtual channel the record's measured times are on the
+virtual clock (measured compute + the emulator's annotated air time; `_virtual_round`).
 
 Hardening (a LAN is shared; see docs/wire-protocol.md):
 - Any failure while handling one message (malformed, oversized, wrong sizes, NaN, unknown device, a bug)
@@ -32,14 +33,24 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
 from testbed import security
-from testbed.controller import Controller, DeviceOutcome, RoundPlan, channel_links, round_record
+from testbed.controller import (
+    Arrival,
+    Controller,
+    DeviceOutcome,
+    RoundPlan,
+    air_time,
+    channel_links,
+    round_record,
+    virtual_round,
+)
+from testbed.core.model import ul_first_bits
 from testbed.core.optimizer import DevicePlan
 from testbed.core.sampling import (
     RoundRandomness,
@@ -51,6 +62,7 @@ from testbed.core.sampling import (
     verify_draft,
 )
 from testbed.errors import TestbedError
+from testbed.link_estimate import LinkEstimator
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -58,6 +70,9 @@ from testbed.wire.protocol import ProtocolError
 log = logging.getLogger("multispin.edge")
 
 REFUSAL_LOG_BURST = 20  # refusals logged per second; beyond that they are counted (a flood must not fill the disk)
+# A message read within this of the edge becoming free was already queued while the edge was busy, so its
+# arrival stamp is late (the virtual clock then estimates the arrival; see `controller.virtual_round`).
+WAITED_S = 0.0005
 
 
 class Refusal(ProtocolError):
@@ -98,6 +113,7 @@ class ArrivedDraft:
     t_arrival: float      # edge clock (monotonic)
     draft: M.Draft
     nbytes: int           # bytes of the message's frames: the record's ul_bytes when no emulator annotates it
+    waited: bool = False  # it was queued while the edge was busy: t_arrival is late
 
 
 @dataclass
@@ -115,6 +131,11 @@ class RoundInFlight:
     reports: dict[str, tuple[float, M.Report]] = field(default_factory=dict)  # name -> (arrival time, report)
     reports_given_up: set[str] = field(default_factory=set)  # refused reports, sessions gone
     closed: bool = False                # past the drafting phase: later drafts are discarded
+    # Edge clock instants for the virtual time base: waiting for drafts from / until, for reports from.
+    t_drafts_from: float = 0.0
+    t_drafts_closed: float = 0.0
+    t_reports_from: float | None = None
+    reports_waited: set[str] = field(default_factory=set)   # reports queued while the edge was busy
 
     def awaits_draft(self, name: str) -> bool:
         return (not self.closed and name in self.schedule and name not in self.drafts
@@ -131,7 +152,8 @@ class EdgeServer:
                  channel=None, channel_mode: str = "passthrough", base_latency_s: float = 0.0,
                  recorder=None, policy: str = "proposed", prompt_texts: list[str] | None = None,
                  max_array_bytes: int = P.MAX_ARRAY_BYTES, tx_marker: bool = True, context=None,
-                 keys_dir: str | None = None, heartbeat_s: float = 1.0, liveness: int = 5):
+                 keys_dir: str | None = None, heartbeat_s: float = 1.0, liveness: int = 5,
+                 measure_links: bool = False):
         if not (math.isfinite(heartbeat_s) and M.MIN_HEARTBEAT_S <= heartbeat_s <= M.MAX_HEARTBEAT_S):
             raise ValueError(f"heartbeat_s={heartbeat_s!r}; allowed: {M.MIN_HEARTBEAT_S}..{M.MAX_HEARTBEAT_S} s")
         if not (isinstance(liveness, int) and 1 <= liveness <= M.MAX_LIVENESS):
@@ -161,6 +183,7 @@ class EdgeServer:
         self._next_plan: tuple[RoundPlan, float] | None = None  # (plan, seconds it took) made one round ahead
         self.refused = 0
         self.refusals: Counter[str] = Counter()   # reason -> refused messages
+        self.device_errors: dict[str, str] = {}  # name -> why the device said it cannot take part
         self._log_window = (0.0, 0, 0)            # (window start, lines logged, lines suppressed)
         self._heartbeat = M.heartbeat()
         self._next_tick = 0.0
@@ -169,6 +192,14 @@ class EdgeServer:
         self.last_record: dict | None = None
         self.t_origin = time.monotonic()
         self.round_index = 0
+        self._free_since = 0.0  # edge clock: when the edge last became free to read a message
+        # Virtual clock: the measured transport outside the air time (arrival - its lower bound), per message
+        # kind and mode, from messages read while the edge was idle; it places the ones that had to wait.
+        self._transport: dict[tuple[str, str], deque[float]] = {}
+        # A real link (no emulator): estimate each device's UL and DL rate from what this edge measures, and
+        # let the controller plan with them (`testbed.link_estimate`).
+        self.links = LinkEstimator() if measure_links else None
+        controller.seed_header_bits(draft_header_bits(controller.base, self.bits, self.on_air))
 
     def _bind(self, bind: str, max_array_bytes: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -234,6 +265,7 @@ class EdgeServer:
             if left <= 0:
                 return
             wait = min(left, max(0.0, self._next_tick - time.monotonic()))
+            self._free_since = time.monotonic()
             if not self.sock.poll(max(1, int(wait * 1000))):
                 continue
             while True:
@@ -242,6 +274,7 @@ class EdgeServer:
                 except zmq.Again:
                     break
                 self._dispatch(frames, time.monotonic())
+                self._free_since = time.monotonic()
                 if stop is not None and stop():
                     return
 
@@ -261,7 +294,8 @@ class EdgeServer:
             if s is not None and header["type"] != P.REGISTER:
                 s.last_heard = t_arr  # any message is a sign of life, but a register may come from a new process
             nbytes = sum(len(f) for f in frames[1:])  # bytes, as the emulator counts them (header + arrays)
-            self._handle(name, header, arrays, nbytes, self._via_channel(frames), t_arr)
+            waited = t_arr - self._free_since < WAITED_S
+            self._handle(name, header, arrays, nbytes, self._via_channel(frames), t_arr, waited)
         except Refusal as exc:
             self._refuse(ident, exc.reason, str(exc), header.get("round"))
         except ProtocolError as exc:
@@ -289,23 +323,40 @@ class EdgeServer:
             return security.sender_name(frames[1]) == security.CHANNEL_CLIENT
         return True  # without keys the edge cannot tell; the emulator overwrites charged messages' annotation
 
-    def _handle(self, name: str, header: dict, arrays: dict, nbytes: int, via_channel: bool, t_arr: float) -> None:
+    def _handle(self, name: str, header: dict, arrays: dict, nbytes: int, via_channel: bool, t_arr: float,
+                waited: bool = False) -> None:
         kind = header["type"]
         if kind == P.TX_START:
             return  # a marker that reached us directly (no emulator in between)
         if kind == P.HEARTBEAT:
             if name not in self.sessions:
                 raise Refusal("not_registered", f"heartbeat from {name!r}, which is not registered; send register")
-            return  # last_heard is already refreshed
+            # last_heard is already refreshed. An idle device's link reading rides on its heartbeat: a device
+            # that sits rounds out for want of a fresh reading (live `fallback: drop`) sends no report.
+            self._take_link(name, M.parse_link(header), t_arr)
+            return
         if kind == P.REGISTER:
             self._on_register(name, header)
         elif kind == P.DRAFT:
-            self._on_draft(name, header, arrays, nbytes, via_channel, t_arr)
+            self._on_draft(name, header, arrays, nbytes, via_channel, t_arr, waited)
         elif kind == P.REPORT:
-            self._on_report(name, header, via_channel)
+            self._on_report(name, header, via_channel, t_arr, waited)
+        elif kind == P.ERROR:
+            self._on_device_error(name, header)
         else:
             raise ProtocolError(f"type: {P.show(kind)} is not allowed from a device; allowed: register, draft, "
-                                "report, heartbeat")
+                                "report, heartbeat, error")
+
+    def _on_device_error(self, name: str, header: dict) -> None:
+        """A device says why it cannot take part (e.g. its model does not load): keep and print the reason;
+        a fatal one ends its session. Not answered: the device is on its way out."""
+        err = M.parse_error(header)
+        if name not in self.known:
+            raise Refusal("unknown_device", "error from a device that is not part of this run")
+        self.device_errors[name] = err.message
+        log.error("%s: cannot take part: %s", name, err.message)
+        if err.fatal and name in self.sessions:
+            self._drop_session(name, f"the device reported: {err.message}", notify=False)
 
     # -- sessions --------------------------------------------------------------------------------
     def _on_register(self, name: str, header: dict) -> None:
@@ -430,7 +481,7 @@ class EdgeServer:
 
     # -- drafts and reports ----------------------------------------------------------------------
     def _on_draft(self, name: str, header: dict, arrays: dict, nbytes: int, via_channel: bool,
-                  t_arr: float) -> None:
+                  t_arr: float, waited: bool = False) -> None:
         s = self.sessions.get(name)
         if s is None:
             raise Refusal("not_registered", f"draft from {name!r}, which is not registered; send register first")
@@ -448,7 +499,7 @@ class EdgeServer:
             cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
             raise
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
-        cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes)
+        cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited)
 
     def _parse_draft(self, s: Session, slot: DevicePlan, header: dict, arrays: dict, via_channel: bool) -> M.Draft:
         d = M.parse_draft(header, arrays, mode=slot.mode, draft_len=slot.draft_len, vocab_size=self.vocab,
@@ -459,9 +510,14 @@ class EdgeServer:
                                 f"(last token {expected_last}); the device is out of sync")
         if not via_channel:
             d.channel = None  # no emulator in between: an annotation would be the device's own claim
+        elif header.get("air") != "ul":
+            # Through the emulator a draft must be charged: one sent without "air" skips its air time.
+            raise ProtocolError(f"draft.air: {P.show(header.get('air'))} is not allowed through the channel "
+                                "emulator; must be 'ul'")
         return d
 
-    def _on_report(self, name: str, header: dict, via_channel: bool) -> None:
+    def _on_report(self, name: str, header: dict, via_channel: bool, t_arr: float | None = None,
+                   waited: bool = False) -> None:
         s = self.sessions.get(name)
         if s is None:
             raise Refusal("not_registered", f"report from {name!r}, which is not registered")
@@ -482,7 +538,18 @@ class EdgeServer:
             s.pending = [rep.token]
             s.awaiting_report = None
         if awaited and rep.round == cur.index:
-            cur.reports[name] = (time.monotonic(), rep)
+            cur.reports[name] = (time.monotonic() if t_arr is None else t_arr, rep)
+            if waited:
+                cur.reports_waited.add(name)
+        self._take_link(name, rep.link, time.monotonic() if t_arr is None else t_arr)
+
+    def _take_link(self, name: str, link: dict | None, t_arr: float) -> None:
+        """A device's link reading (its report or heartbeat) to a live channel state, dated on the edge's
+        clock of the plans (`t_origin`): its arrival minus the age the device measured on its own clock."""
+        cs = self.controller.channel_state
+        if link is None or cs is None or getattr(cs, "source", None) != "live":
+            return
+        cs.report_live(name, link, t_s=t_arr - self.t_origin - (link.get("age_s") or 0.0))
 
     def _check_report(self, s: Session, header: dict) -> M.Report:
         rep = M.parse_report(header, self.vocab)
@@ -505,9 +572,17 @@ class EdgeServer:
         names = self._active_names()
         if not names:
             return None
+        rp, plan_s = self._plan(r, names)
+        if not rp.devices:
+            # Every device sat out (a live channel without fresh readings, `fallback: drop`): no round; wait
+            # a heartbeat period, on which idle devices send their readings.
+            log.warning("round %d: no device can be planned (%s)", r, "; ".join(f"{n}: {why}"
+                                                                              for n, why in rp.sat_out.items()))
+            self.poll(time.monotonic() + self.heartbeat_s)
+            return None
         self._in_round = True
         try:
-            cur = self._schedule(r, *self._plan(r, names))
+            cur = self._schedule(r, rp, plan_s)
             # While the devices draft: plan the next round (its estimates then lag one round, which costs
             # nothing measurable and keeps the optimizer off the critical path).
             self._next_plan = self._fresh_plan(r + 1, names)
@@ -535,7 +610,7 @@ class EdgeServer:
     def _plan(self, r: int, names: list[str]) -> tuple[RoundPlan, float]:
         """The plan made during the previous round if it is for these devices; else a fresh one."""
         planned, self._next_plan = self._next_plan, None
-        if planned is not None and planned[0].round == r and planned[0].devices == names:
+        if planned is not None and planned[0].round == r and (planned[0].requested or planned[0].devices) == names:
             return planned
         return self._fresh_plan(r, names)  # a device joined, left or is late: plan for those actually here
 
@@ -564,7 +639,9 @@ class EdgeServer:
     def _collect_drafts(self, cur: RoundInFlight) -> list[str]:
         """Serve messages until every scheduled device drafted or is out (refused, gone), or the deadline;
         returns the devices whose draft came."""
+        cur.t_drafts_from = time.monotonic()  # the edge planned the next round before this
         self.poll(cur.t0 + self.deadline_s, stop=cur.drafting_done)
+        cur.t_drafts_closed = time.monotonic()
         cur.closed = True
         present = []
         for name in cur.schedule:
@@ -662,12 +739,19 @@ class EdgeServer:
         self.controller.observe_draft_time(name, o.timings.get("draft_s") or 0.0, slot.draft_len)
         charged = (o.ul_channel or {}).get("bytes")
         if charged:
-            self.controller.observe_upload(charged, slot.ul_bits, cur.plan.scenario.header_bits)
+            self.controller.observe_upload(charged, slot.ul_bits, cur.plan.scenario.header_bits, mode=slot.mode)
+        arrived = cur.drafts[name]
+        if self.links is not None and not arrived.waited:  # a draft read late says nothing of the link
+            # schedule sent -> draft here, minus the device's drafting: the one-way trips (+ the upload)
+            seconds = arrived.t_arrival - cur.t0 - (o.timings.get("draft_s") or 0.0)
+            o.link = {"ul": self.links.observe(name, "ul", arrived.nbytes, seconds)}
+            self.controller.measured_rates[name] = self.links.rates(name)
 
     # collect reports
     def _collect_reports(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome]) -> float:
         """The round ends when every device holds its tokens, which only its report tells (tiny, not
         charged); the report also carries the verdict's measured DL air time. Returns the round's end."""
+        cur.t_reports_from = time.monotonic()
         if outcomes:
             self.poll(time.monotonic() + self.deadline_s,
                       stop=lambda: all(n in cur.reports or n in cur.reports_given_up for n in outcomes))
@@ -679,6 +763,11 @@ class EdgeServer:
             t_report, rep = cur.reports[name]
             o.dl_channel, o.correction_s = rep.dl_channel, rep.timings.get("correction_s")
             o.report_s = t_report - o.t_verdict
+            if self.links is not None and name not in cur.reports_waited:
+                # verdict sent -> report here, minus the device's correction: the one-way trips (+ the verdict)
+                entry = self.links.observe(name, "dl", o.dl_bytes, o.report_s - (o.correction_s or 0.0))
+                o.link = {**(o.link or {}), "dl": entry}
+                self.controller.measured_rates[name] = self.links.rates(name)
         return t_end
 
     # close and record
@@ -687,12 +776,15 @@ class EdgeServer:
         """Fit the round overhead (full rounds only), build the record and write it (flushed and fsynced:
         a crash or Ctrl-C after this keeps the round), and finish the sessions that have all their tokens."""
         rp, round_s = cur.plan, t_end - cur.t0
-        if outcomes and len(outcomes) == len(cur.schedule):
-            self.controller.observe_round(round_s, rp.plan["round_time_s"], rp.scenario.round_overhead_s)
+        virtual = self._virtual_round(cur, outcomes, t_end) if self.channel_mode == "virtual" else None
         rec = round_record(rp, policy=self.policy, outcomes=outcomes, verify_s=verify_s, round_s=round_s,
-                           t_start_s=cur.t0 - self.t_origin,
+                           t_start_s=cur.t0 - self.t_origin, virtual=virtual,
                            extra={"channel_mode": self.channel_mode, "plan_s": cur.plan_s,
-                                  "joined": sorted(set(self.sessions) - set(cur.schedule))})
+                                  "joined": sorted(set(self.sessions) - set(cur.schedule) - set(rp.sat_out))})
+        if outcomes and len(outcomes) == len(cur.schedule):
+            # T_0 is fitted in the record's time base: with a virtual channel, the virtual round time.
+            self.controller.observe_round(rec["measured"]["round_s"], rp.plan["round_time_s"],
+                                          rp.scenario.round_overhead_s)
         if self.recorder is not None:
             self.recorder.append_round(rec)
         self.rounds_done += 1
@@ -705,6 +797,37 @@ class EdgeServer:
                 self.verifier.close(s.sid)  # it drafts no more: free its KV cache now, keep its outputs
                 self._send(name, M.done(f"generated {len(s.output_ids)} tokens"))
         return rec
+
+    def _virtual_round(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome], t_end: float) -> dict:
+        """The round on the virtual clock (`controller.virtual_round`) from this round's edge-clock stamps.
+        A message that had to wait while the edge was busy is placed at its lower bound (the device's drafting
+        time; the verdict plus the device's correction) plus the transport measured on messages that did not
+        wait; those feed the transport estimate."""
+        t0 = cur.t0
+        drafts, reports = {}, {}
+        for name, o in outcomes.items():
+            arrived, mode = cur.drafts.get(name), cur.schedule[name].mode
+            if arrived is None:
+                continue
+            low = o.timings.get("draft_s") or 0.0
+            drafts[name] = self._arrival(("draft", mode), arrived.t_arrival - t0, arrived.waited, low,
+                                         air_time(o.ul_channel) or 0.0)
+            if name in cur.reports:
+                low = o.t_verdict - t0 + (o.correction_s or 0.0)
+                reports[name] = self._arrival(("report", mode), cur.reports[name][0] - t0,
+                                              name in cur.reports_waited, low, air_time(o.dl_channel) or 0.0)
+        return virtual_round(drafts, reports, drafts_from_s=cur.t_drafts_from - t0,
+                             drafts_closed_s=cur.t_drafts_closed - t0,
+                             reports_from_s=None if cur.t_reports_from is None else cur.t_reports_from - t0,
+                             end_s=t_end - t0, all_drafts=len(drafts) == len(cur.schedule),
+                             all_reports=bool(outcomes) and len(reports) == len(outcomes))
+
+    def _arrival(self, kind: tuple[str, str], at_s: float, waited: bool, low_s: float, air_s: float) -> Arrival:
+        obs = self._transport.setdefault(kind, deque(maxlen=20))
+        if not waited and at_s >= low_s:
+            obs.append(at_s - low_s)
+        transport = float(np.median(obs)) if obs else 0.0
+        return Arrival(at_s=at_s, waited=waited, earliest_s=low_s + transport, air_s=air_s)
 
     # -- the whole run ---------------------------------------------------------------------------
     def run(self, rounds: int, on_round=None, join_wait_s: float = 0.0, keep_records: bool = True,
@@ -756,3 +879,18 @@ def _finite_values(timings: dict) -> dict:
     """A device's timings with non-finite values left out (the wire layer refuses them; this keeps the
     controller and the record safe should a message reach here some other way)."""
     return {k: v for k, v in timings.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def draft_header_bits(scenario, bits_per_prob: int, on_air_vocab: int | None) -> float:
+    """The header bits H of a typical DL-mode draft upload as this wire encodes it: its bytes (as the emulator
+    counts them) minus the payload bits the model counts. The controller's prior for H (`seed_header_bits`);
+    DL mode because there the header is most of the upload, at the longest draft because DL mode is chosen
+    with long drafts (each token adds 12 bytes on the wire, b_id + b_p bits in the model)."""
+    L = max(1, scenario.max_draft_len)
+    q = np.full((L, 2), 0.5)
+    timings = {"draft_s": 0.012345678901234567, "compute_s": 0.012345678901234567,
+               "emulated_extra_s": 0.012345678901234567, "compute_scale": 1.5}
+    frames = M.draft(100, "DL", np.zeros(L, np.int32), q, last_token=100, bits_per_prob=bits_per_prob,
+                     on_air_vocab=on_air_vocab, timings=timings)
+    counted = float(ul_first_bits(scenario.model_copy(update={"header_bits": 0.0}), False, L))
+    return 8.0 * sum(len(f) for f in frames) - counted

@@ -11,10 +11,18 @@ Pure logic (no sockets, no clocks): the edge server feeds it observations and as
   gains.
 - T_ver = t0 + t1 * sum(L+1): least-squares refit from the measured verification times once there are
   enough rounds with different batch sizes.
+- H (header bits): seeded from the wire format (`seed_header_bits`), then refitted from what the channel
+  charged for draft uploads, from the DL-mode uploads when there are any (see `observe_upload`).
+
+The round record names every phase with one vocabulary (`PHASE_FIELDS`, the same names as `multispin plan
+--json` and the report): draft_s, ul_air_s, uplink_phase_s, verify_s, dl_air_s, downlink_phase_s, round_s.
+With a virtual channel the measured times are on a virtual clock (`virtual_round`): measured compute plus
+the emulator's annotated air time, so that they compare with the model's (`time_base: "virtual"`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,8 +30,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from testbed.core.model import evaluate
-from testbed.core.optimizer import DevicePlan, Plan, plan
+from testbed.core.optimizer import DevicePlan, InfeasiblePlanError, Plan, plan
 from testbed.core.scenario import Scenario
+from testbed.errors import TestbedError
+
+log = logging.getLogger("multispin.controller")
+# Where a round goes when the profile's policy finds no feasible schedule: DL mode uploads only token ids
+# and one probability per token, the cheapest upload there is.
+FALLBACK_POLICY = "all-dl"
 
 
 @dataclass
@@ -51,6 +65,14 @@ class RoundPlan:
     scenario: Scenario               # what the plan was computed on (estimates in place)
     estimates: dict[str, dict]       # name -> {alpha, draft_time_s, gain_db}
     per_device: dict[str, DevicePlan] = field(default_factory=dict)  # name -> the plan's device entry
+    requested: list[str] | None = None  # the devices asked for (`devices` leaves out those that sat out)
+    t_s: float = 0.0                 # the channel state's time the plan used (s since the edge started)
+    # name -> {"ul": bit/s or None, "dl": bit/s or None}: rates fixed by a rate trace or by the edge's own
+    # measurement of a real link (`rate_source` says which); the emulator is configured with these.
+    rate_override: dict[str, dict] = field(default_factory=dict)
+    rate_source: str | None = None   # "trace" or "measured"
+    live_used: dict[str, dict] = field(default_factory=dict)  # name -> ChannelState.live_used at plan time
+    sat_out: dict[str, str] = field(default_factory=dict)     # name -> why it is not in this round
 
 
 @dataclass
@@ -72,6 +94,7 @@ class DeviceOutcome:
     report_s: float | None = None     # verdict sent -> report received
     report_late: bool = False         # no report before the round closed: the verdict is unconfirmed, and the
     #                                   record credits none of its tokens (the device may never have had them)
+    link: dict | None = None          # `channel.measure_links`: {"ul"/"dl": LinkEstimator.observe entries}
 
 
 class Controller:
@@ -101,6 +124,10 @@ class Controller:
         # Protocol header bits per message: measured from what the channel charged for draft uploads.
         self.header_bits = scenario.header_bits
         self._header_obs: deque[float] = deque(maxlen=50)
+        self._header_obs_dl: deque[float] = deque(maxlen=50)  # DL-mode uploads only (see observe_upload)
+        # Rates the edge measured on a real link (`channel.measure_links`): name -> {"ul": bit/s or None,
+        # "dl": bit/s or None}; they fix those links' rates in the plan as a rate trace does.
+        self.measured_rates: dict[str, dict[str, float | None]] = {}
 
     # -- estimates -------------------------------------------------------------------------------
     def gains_db(self, round_index: int, t_s: float) -> dict[str, float]:
@@ -152,19 +179,36 @@ class Controller:
         if len(recent) >= 3:
             self.round_overhead_s = max(0.0, float(np.median(recent)))
 
-    def observe_upload(self, charged_bytes: int, planned_bits: float, header_used_bits: float) -> None:
-        """Header bits = what the channel charged minus the payload the model counted; median of recent."""
+    def seed_header_bits(self, bits: float) -> None:
+        """A prior for H from the wire format (the edge encodes a typical draft): without it the first rounds,
+        planned before any upload was charged, count no header at all, and a DL-mode upload (about 400 bytes,
+        most of it header) is predicted at a tenth of its air time. A scenario's own H, or a fit, wins."""
+        if self.base.header_bits == 0 and not self._header_obs and math.isfinite(bits) and bits > 0:
+            self.header_bits = float(bits)
+
+    def observe_upload(self, charged_bytes: int, planned_bits: float, header_used_bits: float,
+                       mode: str | None = None) -> None:
+        """Header bits = what the channel charged minus the payload the model counted; median of recent.
+
+        One H serves both modes, and it matters only where the payload is small: a DL-mode upload is a few
+        hundred bytes (its wire format, int32 ids and float64 q_at, is also wider than the model's b_id and
+        b_p), a UL-mode upload megabytes. So H is the median over the DL-mode uploads once there are 3 of
+        them; the error this leaves on a UL-mode upload is below 1e-3 of its air time."""
         bits = 8.0 * charged_bytes - (planned_bits - header_used_bits)
         if not math.isfinite(bits):  # charged_bytes comes from a header annotation
             return
         self._header_obs.append(bits)
-        recent = self._header_obs
+        if mode == "DL":
+            self._header_obs_dl.append(bits)
+        recent = self._header_obs_dl if len(self._header_obs_dl) >= 3 else self._header_obs
         if len(recent) >= 3:
             self.header_bits = max(0.0, float(np.median(recent)))
 
     # -- planning --------------------------------------------------------------------------------
-    def scenario_for(self, names: list[str], gains: dict[str, float]) -> Scenario:
-        """The base scenario restricted to `names`, with the current estimates in place."""
+    def scenario_for(self, names: list[str], gains: dict[str, float],
+                     rate_override: dict[str, dict] | None = None) -> Scenario:
+        """The base scenario restricted to `names`, with the current estimates in place; a device whose rate
+        is fixed (`rate_override`, see `fix_rates`) gets the gain and UL power that reproduce that rate."""
         keep = set(names)
         data = self.base.model_dump(exclude_none=True)
         data["devices"] = [d for d in data["devices"] if d["name"] in keep]
@@ -172,27 +216,70 @@ class Controller:
         data["round_overhead_s"] = self.round_overhead_s
         data["header_bits"] = self.header_bits
         sub = Scenario.from_dict(data)
-        return sub.with_device_updates(
+        sub = sub.with_device_updates(
             acceptance={n: self.est[n].alpha for n in names},
             draft_time_s={n: self.est[n].draft_time_s for n in names},
             channel_gain_db={n: gains[n] for n in names},
         )
+        return fix_rates(sub, rate_override) if rate_override else sub
+
+    def rate_overrides(self, round_index: int, t_s: float, names: list[str]) -> tuple[dict[str, dict], str | None]:
+        """(name -> {"ul", "dl"} fixed rates in bit/s, where they come from): a rate trace of the channel
+        state (``trace``), else the rates the edge measured on a real link (``measured``); ({}, None) if none."""
+        cs = self.channel_state
+        if cs is not None and getattr(cs, "source", None) == "trace":
+            ov = cs.rate_override_bps(round_index, t_s)
+            fixed = {n: dict(ov[n]) for n in names if n in ov and (ov[n]["ul"] or ov[n]["dl"])}
+            if fixed:
+                return fixed, "trace"
+        fixed = {n: dict(self.measured_rates[n]) for n in names
+                 if n in self.measured_rates and any(self.measured_rates[n].values())}
+        return (fixed, "measured") if fixed else ({}, None)
 
     def plan_round(self, round_index: int, names: list[str], t_s: float = 0.0) -> RoundPlan:
+        asked = list(names)
         gains = self.gains_db(round_index, t_s)
-        scen = self.scenario_for(names, gains)
+        cs = self.channel_state
+        live = ({n: cs.live_used(n) for n in names if cs.live_used(n) is not None}
+                if cs is not None and getattr(cs, "source", None) == "live" else {})
+        # A live channel with `fallback: drop` leaves a device without a fresh reading out of the gains: it
+        # sits this round out (no gain to plan with) instead of failing the plan.
+        sat_out = {n: "no fresh link reading (channel.state.live.fallback: drop)" for n in names if n not in gains}
+        usable = [n for n in names if n in gains]
+        if not usable:
+            return RoundPlan(round_index, [], {}, self.base, {}, requested=asked, t_s=t_s, live_used=live,
+                             sat_out=sat_out)
+        fixed, source = self.rate_overrides(round_index, t_s, usable)
+        scen = self.scenario_for(usable, gains, fixed)
+        names = usable
         if self.pin_mode and self.pin_draft_len:
             # Fully pinned schedule: nothing to optimise, only the model's prediction of it.
             n = scen.num_devices
             chosen = self._pinned(scen, "pinned", [self.pin_mode] * n, [self.pin_draft_len] * n)
         else:
-            chosen = plan(scen, self.policy, fixed_length=self.fixed_length, seed=self.seed + round_index)
+            chosen = self._plan_or_fall_back(scen, round_index)
             if self.pin_mode or self.pin_draft_len:
                 chosen = self._pinned(scen, f"{chosen.policy}+pinned", chosen.modes, chosen.draft_lens)
-        est = {n: {"alpha": self.est[n].alpha, "draft_time_s": self.est[n].draft_time_s, "gain_db": gains[n]}
+        used_gain = dict(zip([d.name for d in scen.devices], scen.gains_db().tolist()))  # after fix_rates
+        est = {n: {"alpha": self.est[n].alpha, "draft_time_s": self.est[n].draft_time_s, "gain_db": used_gain[n]}
                for n in names}
         return RoundPlan(round_index, list(names), chosen.to_dict(), scen, est,
-                         {d.name: d for d in chosen.device_plans()})
+                         {d.name: d for d in chosen.device_plans()}, requested=asked,
+                         t_s=t_s, rate_override=fixed, rate_source=source, live_used=live, sat_out=sat_out)
+
+    def _plan_or_fall_back(self, scen: Scenario, round_index: int) -> Plan:
+        """The profile's policy; when it finds no feasible schedule (e.g. an energy budget no upload fits),
+        the round goes ahead with `FALLBACK_POLICY` and the log says why, instead of the run stopping."""
+        seed = self.seed + round_index
+        try:
+            return plan(scen, self.policy, fixed_length=self.fixed_length, seed=seed)
+        except InfeasiblePlanError as exc:
+            log.warning("round %d: %s; planning this round with %s", round_index, exc, FALLBACK_POLICY)
+            try:
+                return plan(scen, FALLBACK_POLICY, fixed_length=self.fixed_length, seed=seed)
+            except InfeasiblePlanError as again:
+                raise TestbedError(f"round {round_index}: no feasible schedule with {self.policy!r} ({exc}) "
+                                   f"nor with {FALLBACK_POLICY!r} ({again})") from None
 
     def _pinned(self, scen: Scenario, policy: str, modes, draft_lens) -> Plan:
         """The profile pins every device's mode and/or draft length (e.g. to compare UL and DL mode on the
@@ -202,33 +289,154 @@ class Controller:
         return Plan(policy=policy, scenario=scen, evaluation=evaluate(scen, modes, lens))
 
 
+# Bounds of a gain the scenario accepts (it refuses 0 dB and above, and -250 dB and below).
+_GAIN_DB_RANGE = (-249.0, -1e-6)
+
+
+def _snr_for_rate(rate_bps: float, bandwidth_hz: float) -> float:
+    """The SNR whose Shannon rate over `bandwidth_hz` is `rate_bps`: 2^(r / B) - 1 (capped far past any link)."""
+    return math.expm1(min(rate_bps / bandwidth_hz, 1000.0) * math.log(2.0))
+
+
+def fix_rates(sc: Scenario, fixed: dict[str, dict]) -> Scenario:
+    """The scenario with each fixed-rate device's gain (and UL power) set so that the model reproduces its
+    fixed rates (`fixed`: name -> {"ul": bit/s or None, "dl": bit/s or None}), without touching the model:
+
+    - UL only: g = (2^(r/B) - 1) N0 B / P^max, and the device's energy budget is dropped, so that its UL
+      power is P^max (power control has no effect on a fixed rate): the planned UL rate is the fixed one.
+    - DL: the model's DL rate depends on the power and band the optimizer gives the device, unknown before
+      the plan. Approximation: g reproduces the rate at an equal share, every device in DL mode (W = B^D / N
+      and p = P_s / N; tdma: W = B^D, p = P_s). With fewer DL-mode devices or an unequal power split the
+      planned DL rate differs from the fixed one (the emulator still applies the fixed rate).
+    - UL and DL: one gain serves both directions in the model, so the DL rate sets g and the device's
+      P^max becomes the power that gives the UL rate with it (the recorded `ul_power_w` is then that
+      equivalent power, not a radio's).
+    A gain outside the scenario's range (-250, 0) dB is clipped (then the planned rate differs)."""
+    n0, n = sc.noise_psd_w_hz, sc.num_devices
+    if sc.dl_access == "tdma":
+        w, p_dl = sc.downlink_bandwidth_hz, sc.downlink_power_w
+    else:
+        w, p_dl = sc.downlink_bandwidth_hz / n, sc.downlink_power_w / n
+    updates: dict[str, dict] = {}
+    for d in sc.devices:
+        ul, dl = (fixed.get(d.name) or {}).get("ul"), (fixed.get(d.name) or {}).get("dl")
+        if not ul and not dl:
+            continue
+        bw = d.uplink_bandwidth_hz or sc.uplink_bandwidth_hz
+        upd: dict = {}
+        if dl:
+            g = _snr_for_rate(dl, w) * n0 * w / p_dl
+        else:
+            g = _snr_for_rate(ul, bw) * n0 * bw / d.max_power_w
+        g_db = float(np.clip(10.0 * math.log10(max(g, 1e-300)), *_GAIN_DB_RANGE))
+        upd["channel_gain_db"] = g_db
+        if ul:
+            upd["energy_budget_j"] = None
+            if dl:
+                upd["max_power_w"] = max(_snr_for_rate(ul, bw) * n0 * bw / 10.0 ** (g_db / 10.0), 1e-30)
+        updates[d.name] = upd
+    return sc.with_device_updates(updates)
+
+
 def channel_links(rp: RoundPlan, fallback_dl_bps: float = 1e9) -> dict[str, dict]:
     """Per-device rates for the channel emulator. A UL-mode device's reply is a few bytes the model charges
-    as a constant; it gets a fast link (not a zero one) so the emulator still accounts it."""
+    as a constant; it gets a fast link (not a zero one) so the emulator still accounts it. A rate trace
+    (`rp.rate_source == "trace"`) replaces the planned rate of each link it fixes, in either mode: the trace
+    is the link, whatever the plan would have sent over it."""
     links = {}
     for name, d in rp.per_device.items():
         ul = d.ul_rate_bps or None
         dl = d.dl_rate_bps or None
         if d.mode == "UL" or not dl:
             dl = fallback_dl_bps
+        if rp.rate_source == "trace":  # measured rates belong to a real link: never sent to an emulator
+            fixed = rp.rate_override.get(name) or {}
+            ul = fixed.get("ul") or ul
+            dl = fixed.get("dl") or dl
         links[name] = {"ul_rate_bps": ul, "dl_rate_bps": dl}
     return links
 
 
+# The phase vocabulary, shared by `multispin plan`, the round record, the report and the docs: name -> meaning.
+# Every one is in seconds. A device's uplink phase is its drafting plus its upload's air time; the round's
+# uplink (downlink) phase is the largest over its devices.
+PHASE_FIELDS = {
+    "draft_s": "drafting on the device (compute, including an emulated slowdown)",
+    "ul_air_s": "air time of the draft upload (its queueing and base latency included)",
+    "uplink_phase_s": "draft_s + ul_air_s (round level: the largest over the devices)",
+    "verify_s": "the one batched verification on the edge",
+    "dl_air_s": "after verification: the verdict's DL air time (DL mode), the reply time c_r (UL mode)",
+    "downlink_phase_s": "round level: the largest dl_air_s (measured: over DL-mode verdicts carrying p_j)",
+    "round_s": "the round, schedules out to the last report",
+}
+# Record fields of earlier releases, kept beside the new names for one release: new name -> old name.
+LEGACY_DEVICE_FIELDS = {"ul_air_s": "uplink_s", "uplink_phase_s": "up_phase_s", "dl_air_s": "downlink_s"}
+
+
+@dataclass
+class Arrival:
+    """One message's arrival at the edge, for the virtual clock; times in s since the schedules went out."""
+
+    at_s: float          # when the edge handled it: late by as long as the edge was busy with other work
+    waited: bool         # it was already queued when the edge became free, so at_s is only an upper bound
+    earliest_s: float    # the estimate to use then (the device's drafting time + the measured transport)
+    air_s: float         # the air time (queueing and base latency included) the emulator annotated
+
+
+def virtual_round(drafts: dict[str, Arrival], reports: dict[str, Arrival], *, drafts_from_s: float,
+                  drafts_closed_s: float, reports_from_s: float | None, end_s: float, all_drafts: bool,
+                  all_reports: bool) -> dict:
+    """The round on a virtual clock: what the edge clock would have read had every charged message been held
+    for its annotated air time (virtual channel mode, where the emulator forwards at once).
+
+    Compute stays measured (drafting, verification, the edge's own work); each air time is inserted where the
+    message was: a draft is handled at max(edge free, arrival + UL air); the rest of the round shifts by the
+    change in the drafting phase's end; a report comes DL air later than it did. Returns the per-device
+    uplink phases, the round's uplink phase and the round time (s since the schedules went out)."""
+    def arrived(a: Arrival) -> float:
+        return min(a.at_s, a.earliest_s) if a.waited else a.at_s
+
+    up = {n: max(drafts_from_s, arrived(a) + a.air_s) for n, a in drafts.items()}
+    if not up:
+        closed = drafts_closed_s
+    elif all_drafts:  # closed when the last draft was handled: keep the handling time after its arrival
+        closed = max(up.values()) + max(0.0, drafts_closed_s - max(a.at_s for a in drafts.values()))
+    else:  # the round waited for a missing draft until the (wall-clock) deadline
+        closed = max(drafts_closed_s, max(up.values()))
+    shift = closed - drafts_closed_s
+    if not reports or reports_from_s is None:
+        end = end_s + shift
+    else:
+        last = max(arrived(a) + a.air_s for a in reports.values())
+        tail = max(0.0, end_s - max(a.at_s for a in reports.values()))
+        end = shift + max(reports_from_s, last) + tail
+        if not all_reports:  # a late report: the round waited until the deadline
+            end = max(end, end_s + shift)
+    return {"up_phase_s": up, "uplink_phase_s": max(up.values()) if up else None, "round_s": end}
+
+
 def round_record(rp: RoundPlan, *, policy: str, outcomes: dict[str, DeviceOutcome], verify_s: float | None,
-                 round_s: float, t_start_s: float, extra: dict | None = None) -> dict:
+                 round_s: float, t_start_s: float, extra: dict | None = None, virtual: dict | None = None) -> dict:
     """Assemble one round record: per device and per phase, predicted next to measured.
 
     `outcomes[name]` is what the edge saw of a device; the plan's devices absent from it missed the round (no
     draft by the deadline, a refused draft, or the device left during the round).
     Tokens count only when the device's report confirmed that its verdict arrived (`report_late`: 0).
+    `round_s` is the edge clock's; with `virtual` (`virtual_round` of a virtual-channel round) the measured
+    uplink phases, the round time and the goodput are the virtual ones (`time_base: "virtual"`) and the edge
+    clock's round time stays as `measured.wall_round_s`.
     Every number in the record is finite (a non-finite one becomes null): the recorder writes strict JSON.
     """
-    devices = {name: _device_entry(rp, name, outcomes.get(name), round_s) for name in rp.devices}
+    wall_round_s = round_s
+    if virtual is not None:
+        round_s = virtual["round_s"]
+    devices = {name: _device_entry(rp, name, outcomes.get(name), round_s,
+                                   None if virtual is None else virtual["up_phase_s"].get(name))
+               for name in rp.devices}
     present = [name for name in rp.devices if name in outcomes]
-    up_phases = [devices[n]["measured"]["up_phase_s"] for n in present]
+    up_phases = [devices[n]["measured"]["uplink_phase_s"] for n in present]
     # The DL phase is the shared DL of the distributions p_j; a verdict that carries a token is a short reply.
-    dl_phases = [devices[n]["measured"]["downlink_s"] for n in present
+    dl_phases = [devices[n]["measured"]["dl_air_s"] for n in present
                  if rp.per_device[n].mode == "DL" and outcomes[n].dl_payload == "p"]
     up_phases = [t for t in up_phases if t is not None]
     dl_phases = [t for t in dl_phases if t is not None]
@@ -241,13 +449,17 @@ def round_record(rp: RoundPlan, *, policy: str, outcomes: dict[str, DeviceOutcom
                  "goodput_tps": plan.get("goodput_tps")}
     measured = {"uplink_phase_s": max(up_phases) if up_phases else None, "verify_s": verify_s,
                 "downlink_phase_s": max(dl_phases) if dl_phases else 0.0, "round_s": round_s, "tokens": tokens,
-                "goodput_tps": tokens / round_s if round_s > 0 else None}
+                "goodput_tps": tokens / round_s if round_s > 0 else None, "wall_round_s": wall_round_s}
     rec = {"round": rp.round, "t_start_s": t_start_s, "policy": policy,
+           "time_base": "wall" if virtual is None else "virtual",
            "num_ul": sum(1 for n in rp.devices if rp.per_device[n].mode == "UL"),
            "devices": devices, "predicted": predicted, "measured": measured,
            "verify_model": {"t0_s": rp.scenario.verify_t0_s, "t1_s": rp.scenario.verify_t1_s},
-           "round_overhead_s": rp.scenario.round_overhead_s,
-           "missed": [n for n in rp.devices if n not in outcomes]}
+           "round_overhead_s": rp.scenario.round_overhead_s, "header_bits": rp.scenario.header_bits,
+           "dl_provisioning": rp.scenario.dl_provisioning,
+           "missed": [n for n in rp.devices if n not in outcomes], "channel_t_s": rp.t_s}
+    if rp.sat_out:  # left out of the plan (live channel, `fallback: drop`): what the channel state had
+        rec["sat_out"] = {n: {"reason": why, "live_used": rp.live_used.get(n)} for n, why in rp.sat_out.items()}
     if extra:
         rec.update(extra)
     return _finite(rec)
@@ -269,34 +481,69 @@ def _finite(obj):
     return obj
 
 
-def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: float) -> dict:
-    """One device's part of the round record: its schedule, the prediction and (unless missed) the measurement."""
+def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: float,
+                  virtual_up_phase_s: float | None = None) -> dict:
+    """One device's part of the round record: its schedule, the prediction and (unless missed) the measurement.
+    Phase times carry the vocabulary's names (`PHASE_FIELDS`) and, beside them, the old ones for one release
+    (`LEGACY_DEVICE_FIELDS`)."""
     d = rp.per_device[name]
     predicted = {
-        "draft_s": d.draft_s, "uplink_s": d.tx_s, "up_phase_s": d.uplink_s, "downlink_s": d.downlink_s,
+        "draft_s": d.draft_s, "ul_air_s": d.tx_s, "uplink_phase_s": d.uplink_s, "dl_air_s": d.downlink_s,
         "tokens": d.expected_tokens, "goodput_tps": d.goodput_tps, "ul_bits": d.ul_bits, "dl_bits": d.dl_bits,
         "ul_rate_bps": d.ul_rate_bps, "dl_rate_bps": d.dl_rate_bps,
     }
+    _add_legacy(predicted)
     entry = {"mode": d.mode, "draft_len": d.draft_len, "ul_power_w": d.ul_power_w, "dl_power_w": d.dl_power_w,
              "estimate": rp.estimates.get(name), "predicted": predicted}
+    fixed = rp.rate_override.get(name)
+    if fixed is not None:  # the rates that fixed this device's links, beside the planned and charged ones
+        entry["trace_rate_bps" if rp.rate_source == "trace" else "link_rate_bps"] = {
+            "ul": fixed.get("ul"), "dl": fixed.get("dl")}
+    if name in rp.live_used:
+        entry["live_used"] = rp.live_used[name]
     if o is None:
         entry.update({"missed": True, "measured": None})
         return entry
     tm = o.timings
+    ul_bytes = _bytes(o.ul_channel, o.ul_bytes)
     measured = {
         "draft_s": tm.get("draft_s"), "compute_s": tm.get("compute_s"),
         "emulated_extra_s": tm.get("emulated_extra_s"), "compute_scale": tm.get("compute_scale"),
-        "uplink_s": _air_time(o.ul_channel), "up_phase_s": o.up_phase_s, "downlink_s": _air_time(o.dl_channel),
+        "ul_air_s": air_time(o.ul_channel),
+        "uplink_phase_s": o.up_phase_s if virtual_up_phase_s is None else virtual_up_phase_s,
+        "dl_air_s": air_time(o.dl_channel),
         "tokens": _credited(o), "goodput_tps": _credited(o) / round_s if round_s > 0 else None,
         "tokens_sent": o.tokens,  # what the verdict carried, confirmed or not
         # What the channel charged when an emulator is in between; else the bytes the edge saw.
-        "ul_bytes": _bytes(o.ul_channel, o.ul_bytes),
+        "ul_bytes": ul_bytes,
         "dl_bytes": _bytes(o.dl_channel, o.dl_bytes),
+        # Bits on the wire the model did not count (it counts ul_bits, H included): its own term, not folded
+        # into the air time comparison, so that a report can show it (null without an emulator's count).
+        "ul_unmodeled_bits": 8.0 * ul_bytes - d.ul_bits if o.ul_channel and d.ul_bits else None,
+        "ul_air_excess_s": air_excess(o.ul_channel),
+        # The rates the emulator charged (its annotation; null without an emulator).
+        "ul_rate_bps": (o.ul_channel or {}).get("rate_bps"), "dl_rate_bps": (o.dl_channel or {}).get("rate_bps"),
     }
+    if virtual_up_phase_s is not None:
+        measured["wall_uplink_phase_s"] = o.up_phase_s  # the edge clock's, without the virtual air time
+    if o.link:
+        # A real link measured by the edge (`channel.measure_links`): the transfer times by the fitted line
+        # (the measured time minus the fit's intercept) stand where an emulator's air times would.
+        measured["link"] = o.link
+        for key, direction in (("ul_air_s", "ul"), ("dl_air_s", "dl")):
+            if measured[key] is None and (o.link.get(direction) or {}).get("s") is not None:
+                measured[key] = o.link[direction]["s"]
+    _add_legacy(measured)
     entry.update({"missed": False, "n_accepted": o.n_accepted, "dl_payload": o.dl_payload, "measured": measured,
                   "ul_channel": o.ul_channel, "dl_channel": o.dl_channel, "report_late": o.report_late,
                   "verdict_unconfirmed": o.report_late})
     return entry
+
+
+def _add_legacy(times: dict) -> None:
+    """The old names beside the new ones (for one release; readers of older records use them)."""
+    for new, old in LEGACY_DEVICE_FIELDS.items():
+        times[old] = times[new]
 
 
 def _bytes(ch: dict | None, counted: int) -> int:
@@ -305,7 +552,7 @@ def _bytes(ch: dict | None, counted: int) -> int:
     return counted if charged is None else charged
 
 
-def _air_time(ch: dict | None) -> float | None:
+def air_time(ch: dict | None) -> float | None:
     """The realized air time of one message from the emulator's annotation.
 
     Real mode: held_s (from the start of the air time, i.e. the tx_start marker or the arrival, to the
@@ -316,3 +563,16 @@ def _air_time(ch: dict | None) -> float | None:
     if ch.get("mode") == "virtual":
         return (ch.get("airtime_s") or 0.0) + (ch.get("queued_s") or 0.0) + (ch.get("base_latency_s") or 0.0)
     return ch.get("held_s")
+
+
+def air_excess(ch: dict | None) -> float | None:
+    """The part of a real-mode hold that is not modeled air time: held_s - (airtime + queueing + base latency
+    - lead). It is the emulator's lateness, and for a small message the gap between the tx_start marker and
+    the payload's arrival when that exceeds the air time (the air time starts at the marker). 0 in virtual
+    mode; None without an emulator."""
+    if not ch or ch.get("held_s") is None:
+        return None
+    if ch.get("mode") == "virtual":
+        return 0.0
+    modeled = sum(ch.get(k) or 0.0 for k in ("airtime_s", "queued_s", "base_latency_s")) - (ch.get("lead_s") or 0.0)
+    return max(0.0, ch["held_s"] - modeled)

@@ -105,8 +105,9 @@ class Launcher:
         return self.start("channel", argv, env={TOKEN_ENV: token} if token else None)
 
     def start_device(self, label: str, connect: str, draft_onnx: str, hardware: str | None,
-                     name: str | None = None) -> subprocess.Popen:
-        """A device process; `label` names its log (and process), `name` its device name (default: label)."""
+                     name: str | None = None, extra_args: list[str] | None = None) -> subprocess.Popen:
+        """A device process; `label` names its log (and process), `name` its device name (default: label);
+        `extra_args` go to `device_node.node` as they are (e.g. a link probe)."""
         name = name or label
         argv = [sys.executable, "-m", "device_node.node", "--connect", connect, "--name", name,
                 "--draft", str(draft_onnx)]
@@ -114,7 +115,7 @@ class Launcher:
             argv += ["--hardware", hardware]
         if self.keys_dir:
             argv += ["--keys", str(Path(self.keys_dir) / "clients" / name)]
-        return self.start(f"device-{label}", argv)
+        return self.start(f"device-{label}", argv + list(extra_args or []))
 
     def kill(self, label: str) -> None:
         proc = self.procs.get(label)

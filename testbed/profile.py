@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from channel_emulator import DEFAULT_SPIN_S
 from testbed import PROFILES_DIR
+from testbed.config_override import Override, OverrideError, apply_override, attribute, did_you_mean, loc_text, rule
 from testbed.errors import TestbedError
 
 DEFAULT_PROFILE = PROFILES_DIR / "emulation.yaml"
@@ -43,6 +44,16 @@ class ChannelSettings(_Strict):
     spin_s: float = Field(default=DEFAULT_SPIN_S, ge=0, lt=1, description="busy-wait window of the emulator")
     # ChannelState config (channel_emulator.state): None = the scenario's static gains every round.
     state: dict[str, Any] | None = None
+    # passthrough only: the edge estimates each device's UL and DL rate from what it measures and plans with
+    # them (testbed.link_estimate; docs/real-links.md).
+    measure_links: bool = False
+
+    @model_validator(mode="after")
+    def _measure_needs_passthrough(self):
+        if self.measure_links and self.mode != "passthrough":
+            raise ValueError(f"measure_links: true needs mode: passthrough (a real link), not {self.mode!r}: an "
+                             "emulator already fixes the rates")
+        return self
 
 
 class ModelSettings(_Strict):
@@ -116,6 +127,10 @@ class Profile(_Strict):
     on_air_vocab_size: int | None = Field(default=None, ge=2, description="pad distributions on the air")
     pin: PinSettings = PinSettings()
     hardware: dict[str, str] = Field(default_factory=dict, description="device name -> hardware profile")
+    # Emulated devices' link probes (device_node.link_probe SPEC, e.g. file:/tmp/dev0.snr), for
+    # channel.state.source: live; a LAN device takes --link-probe itself.
+    link_probe: dict[str, str] = Field(default_factory=dict, description="device name -> link probe SPEC")
+    link_probe_period_s: float = Field(default=1.0, gt=0, description="seconds between two link measurements")
     device_threads: int = Field(default=1, ge=1)
     start_devices: bool = Field(default=True, description="emulation: start one process per scenario device")
     wait_for_devices_s: float = Field(default=120.0, gt=0, description="time to wait for devices to register")
@@ -129,12 +144,17 @@ class Profile(_Strict):
             return value
         raise ValueError("must be 'insecure' or a mapping {keys: DIR} (omit it for loopback-only endpoints)")
 
-    @model_validator(mode="after")
-    def _check(self):
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value):
         from testbed.core.optimizer import POLICIES
 
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: {self.policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy{did_you_mean(value, POLICIES)} (allowed: {', '.join(POLICIES)})")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self):
         if self.prompts is not None and not self.prompts:
             raise ValueError("prompts: an empty list is not allowed; give at least one prompt or omit it")
         # Validate the scenario now, not rounds later; the model's vocabulary is filled in at run time.
@@ -186,66 +206,180 @@ class Profile(_Strict):
         return self.model_dump(mode="json")
 
 
-def load_profile(source: str | Path | dict | None = None, overrides: dict | None = None) -> Profile:
-    """A validated profile from a path, a name in ``profiles/`` or a dict (None: the default)."""
+def profile_names() -> list[str]:
+    """Names a command accepts instead of a path: run profiles in profiles/, scenarios in profiles/scenarios/."""
+    return sorted({p.stem for d in (PROFILES_DIR, PROFILES_DIR / "scenarios") for p in d.glob("*.yaml")})
+
+
+def find_profile(source: str | Path | None, default: Path = DEFAULT_PROFILE) -> Path:
+    """The one profile resolution of every command: None -> `default`; an existing file; else a name (with or
+    without .yaml) in profiles/ or profiles/scenarios/. A ProfileError lists the names and a did-you-mean."""
     if source is None:
-        source = DEFAULT_PROFILE
+        return default
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise ProfileError(f"profile {str(source)!r} is a folder; give a YAML file or a profile name")
+    stem = path.name[:-5] if path.name.endswith(".yaml") else path.name
+    if path.parent == Path("."):
+        for folder in (PROFILES_DIR, PROFILES_DIR / "scenarios"):
+            if (folder / f"{stem}.yaml").is_file():
+                return folder / f"{stem}.yaml"
+    elif not path.is_absolute() and path.parts[0] == "profiles" and (PROFILES_DIR.joinpath(*path.parts[1:])).is_file():
+        return PROFILES_DIR.joinpath(*path.parts[1:])  # the README's paths work outside a checkout too
+    names = profile_names()
+    raise ProfileError(f"profile {str(source)!r} not found{did_you_mean(stem, names)} (a YAML path, or a name in "
+                       f"{PROFILES_DIR}: {', '.join(names)})")
+
+
+def _read_source(source: str | Path | dict | None) -> tuple[dict, str]:
+    """The profile mapping and where it came from (the file, or 'profile' for a mapping)."""
     if isinstance(source, dict):
-        data, where = dict(source), "profile"
-    else:
-        path = Path(source)
-        if not path.is_file() and (PROFILES_DIR / f"{source}.yaml").is_file():
-            path = PROFILES_DIR / f"{source}.yaml"
-        if not path.is_file():
-            raise ProfileError(f"profile {str(source)!r} not found (a YAML path or a name in {PROFILES_DIR})")
+        return dict(source), "profile"
+    path = find_profile(source)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: must be a YAML mapping")
+    if "devices" in data and "scenario" not in data:
+        raise ProfileError(f"{path} is a scenario file, not a run profile (no scenario: section); plan or simulate "
+                           f"it (multispin plan {source}), or run a profile such as emulation")
+    # Relative file references resolve against the profile's folder (absolute in the run's snapshot,
+    # which --resume loads from anywhere).
+    for key in ("prompts_file",):
+        if data.get(key) and not Path(data[key]).is_absolute():
+            data[key] = str((path.parent / data[key]).resolve())
+    sec = data.get("security")
+    if isinstance(sec, dict) and isinstance(sec.get("keys"), str) and not Path(sec["keys"]).is_absolute():
+        data["security"] = {**sec, "keys": str((path.parent / sec["keys"]).expanduser().resolve())}
+    return data, str(path)
+
+
+def _as_overrides(overrides: dict | list[Override] | None) -> list[Override]:
+    if not overrides:
+        return []
+    if isinstance(overrides, dict):  # the library's form: {dotted key: value}
+        return [Override(k, v, f"override {k}={v!r}") for k, v in overrides.items()]
+    return list(overrides)
+
+
+def _scenario_problems(data: dict) -> list[tuple[tuple, str, str]]:
+    """(loc, full line, rule) per problem of the scenario section, with locations under `scenario`."""
+    from testbed.core.scenario import Scenario, format_validation_error
+
+    scen = data.get("scenario")
+    if not isinstance(scen, dict):
+        return []  # the profile's own validation says what is wrong with it
+    try:
+        Scenario.model_validate({**scen, "vocab_size": scen.get("vocab_size") or 2})
+    except ValidationError as exc:
+        lines = format_validation_error(exc, "scenario").splitlines()[1:]  # one line per error, in order
+        out = []
+        for err, line in zip(exc.errors(), lines):
+            loc = ("scenario", *err["loc"])
+            text = "scenario." + line.strip()
+            if err["type"] == "extra_forbidden":
+                text = f"{loc_text(loc)}: {rule(err, Scenario)}"
+            rest = text.split(": ", 1)[1] if ": " in text else text
+            out.append((loc, text, rest.split(" is not allowed: ", 1)[-1]))
+        return out
+    return []
+
+
+def load_profile(source: str | Path | dict | None = None,
+                 overrides: dict | list[Override] | None = None) -> Profile:
+    """A validated profile from a path, a name in ``profiles/`` or a dict (None: the default), with
+    `overrides` ({dotted key: value}, or `Override`s from the command line) applied. A ProfileError names
+    each problem where it came from: the flag for an override, the file (or 'profile') otherwise."""
+    data, where = _read_source(source)
+    applied: dict[tuple, Override] = {}
+    for ov in _as_overrides(overrides):
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ProfileError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ProfileError(f"{path}: must be a YAML mapping")
-        where = str(path)
-        # Relative file references resolve against the profile's folder (absolute in the run's snapshot,
-        # which --resume loads from anywhere).
-        for key in ("prompts_file",):
-            if data.get(key) and not Path(data[key]).is_absolute():
-                data[key] = str((path.parent / data[key]).resolve())
-        sec = data.get("security")
-        if isinstance(sec, dict) and isinstance(sec.get("keys"), str) and not Path(sec["keys"]).is_absolute():
-            data["security"] = {**sec, "keys": str((path.parent / sec["keys"]).expanduser().resolve())}
-    for key, value in (overrides or {}).items():
-        _set_dotted(data, key, value)
+            applied[apply_override(data, ov)] = ov
+        except OverrideError as exc:
+            raise ProfileError(str(exc)) from None
+    flagged: list[str] = []
+    in_file: list[str] = []
+
+    def problem(loc: tuple, line: str, why: str) -> None:
+        ov = attribute(loc, applied)
+        if ov is None:
+            in_file.append(line)
+        else:  # the flag's own value: just the rule; a field below it: the field too
+            exact = next(p for p, o in applied.items() if o is ov) == loc
+            flagged.append(f"{ov.flag}: {why}" if exact else f"{ov.flag}: {line}")
+
+    scenario_problems = _scenario_problems(data)
+    for loc, line, why in scenario_problems:
+        problem(loc, line, why)
     try:
         profile = Profile.model_validate(data)
     except ValidationError as exc:
-        lines = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(profile)"
+            loc = tuple(err["loc"])
+            if not loc and scenario_problems and "scenario" in err["msg"]:
+                continue  # the same scenario problems, already listed field by field
             value = err.get("input")
             shown = "" if isinstance(value, dict) else f" {value!r}"
-            lines.append(f"{loc}:{shown} is not allowed: {err['msg']}")
-        raise ProfileError(f"{where}:\n  " + "\n  ".join(lines)) from None
+            why = rule(err, Profile)
+            problem(loc, f"{loc_text(loc)}:{shown} is not allowed: {why}", why)
+        profile = None
+    if flagged or in_file:
+        raise ProfileError("\n".join(flagged + ([f"{where}:\n  " + "\n  ".join(in_file)] if in_file else [])))
+    assert profile is not None
+
+    def origin(*prefixes: tuple) -> str:
+        """Where a cross-field problem comes from: the overrides that touched these sections, or the file."""
+        flags = [o.flag for p, o in applied.items() if any(p[:len(x)] == x for x in prefixes)]
+        return ", ".join(flags) + (f" ({where})" if where != "profile" else "") if flags else where
+
     try:
         profile.scenario_obj()
     except ValueError as exc:
-        raise ProfileError(f"{where}: scenario: {exc}") from None
+        raise ProfileError(f"{origin(('scenario',))}: scenario: {exc}") from None
     names = set(profile.device_names())
     unknown = sorted(set(profile.hardware) - names)
     if unknown:
-        raise ProfileError(f"{where}: hardware: device(s) {unknown} not in scenario.devices {sorted(names)}")
+        raise ProfileError(f"{origin(('hardware',), ('scenario', 'devices'))}: hardware: device(s) {unknown} not in "
+                           f"scenario.devices {sorted(names)}")
     from device_node.hardware import load_hardware
 
     for name, hw in profile.hardware.items():
         try:
             load_hardware(hw)  # an unknown name fails here, not in a device process minutes later
         except ValueError as exc:
-            raise ProfileError(f"{where}: hardware.{name}: {exc}") from None
+            raise ProfileError(f"{origin(('hardware',))}: hardware.{name}: {exc}") from None
+    from device_node.link_probe import make_probe
+
+    unknown = sorted(set(profile.link_probe) - names)
+    if unknown:
+        raise ProfileError(f"{origin(('link_probe',))}: link_probe: device(s) {unknown} not in scenario.devices "
+                           f"{sorted(names)}")
+    for name, spec in profile.link_probe.items():
+        try:
+            make_probe(spec)
+        except ValueError as exc:
+            raise ProfileError(f"{origin(('link_probe',))}: link_probe.{name}: {exc}") from None
     return profile
 
 
-def _set_dotted(data: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    cur = data
-    for p in parts[:-1]:
-        cur = cur.setdefault(p, {})
-    cur[parts[-1]] = value
+def load_plan_scenario(source: str | Path | None, default: Path | None = None):
+    """(Scenario, note) for the analytic commands (`plan`, `simulate`): a scenario file, or a run profile
+    (then its ``scenario:`` section, with the on-air vocabulary; its top-level `rounds` etc. are the run's,
+    not the scenario's). `note` says which was used (None for a plain scenario file)."""
+    from testbed.scenario_file import load_scenario
+
+    path = find_profile(source, default or PROFILES_DIR / "scenarios" / "default.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("scenario"), dict):
+        profile = load_profile(path)
+        sc = profile.scenario_obj()
+        return sc, (f"{path} is a run profile: using its scenario: section ({sc.num_devices} devices, "
+                    f"vocab_size {sc.vocab_size})")
+    return load_scenario(path), None

@@ -10,25 +10,34 @@ from pathlib import Path
 
 import numpy as np
 
-# phase -> (where, key). Device phases are compared per device and round; DL air time only where a
-# distribution actually went down (a DL-mode device that rejected).
+# The phases compared, under the record's vocabulary (testbed.controller.PHASE_FIELDS); a bracket narrows the
+# samples: phase -> (where, key, unit). Device phases are compared per device and round; UL air time per mode
+# (a DL-mode upload is a few hundred bytes, a UL-mode one megabytes); DL air time only where a distribution
+# actually went down (a DL-mode device that rejected).
 PHASES = {
-    "draft": ("device", "draft_s"),
-    "uplink_air_ul_mode": ("device", "uplink_s"),
-    "uplink_air_dl_mode": ("device", "uplink_s"),
-    "uplink_phase": ("device", "up_phase_s"),
-    "downlink_air_dl_mode": ("device", "downlink_s"),
-    "verify": ("round", "verify_s"),
-    "round": ("round", "round_s"),
-    "goodput": ("round", "goodput_tps"),
+    "draft_s": ("device", "draft_s", "s"),
+    "ul_air_s[UL mode]": ("device", "ul_air_s", "s"),
+    "ul_air_s[DL mode]": ("device", "ul_air_s", "s"),
+    "uplink_phase_s": ("device", "uplink_phase_s", "s"),
+    "dl_air_s[DL mode, p]": ("device", "dl_air_s", "s"),
+    "verify_s": ("round", "verify_s", "s"),
+    "round_s": ("round", "round_s", "s"),
+    "goodput_tps": ("round", "goodput_tps", "tok/s"),
 }
+# Records of earlier releases carry the old names only: new name -> old name.
+LEGACY = {"ul_air_s": "uplink_s", "uplink_phase_s": "up_phase_s", "dl_air_s": "downlink_s"}
+
+
+def _field(times: dict, key: str):
+    """A phase time of a device entry, under its name or (older records) its old name."""
+    return times[key] if key in times else times.get(LEGACY.get(key, key))
 
 
 def phase_pairs(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
     """(predicted, measured) pairs per phase."""
     out: dict[str, list[tuple[float, float]]] = {k: [] for k in PHASES}
     for rec in records:
-        for phase, (where, key) in PHASES.items():
+        for phase, (where, key, _) in PHASES.items():
             if where == "round":
                 p, m = rec["predicted"].get(key), rec["measured"].get(key)
                 if p is not None and m is not None:
@@ -37,20 +46,21 @@ def phase_pairs(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
             for dev in rec["devices"].values():
                 if dev.get("missed") or not dev.get("measured"):
                     continue
-                if phase.endswith("_ul_mode") and dev["mode"] != "UL":
+                if "[UL mode" in phase and dev["mode"] != "UL":
                     continue
-                if phase.endswith("_dl_mode") and dev["mode"] != "DL":
+                if "[DL mode" in phase and dev["mode"] != "DL":
                     continue
-                if phase.startswith("downlink") and dev.get("dl_payload") != "p":
+                if phase.startswith("dl_air") and dev.get("dl_payload") != "p":
                     continue
-                p, m = dev["predicted"].get(key), dev["measured"].get(key)
+                p, m = _field(dev["predicted"], key), _field(dev["measured"], key)
                 if p is not None and m is not None:
                     out[phase].append((p, m))
     return out
 
 
 def error_stats(pairs: list[tuple[float, float]]) -> dict | None:
-    """Relative error (measured - predicted) / predicted: median (signed), median and p95 of |error|."""
+    """Relative error (measured - predicted) / predicted: median (signed), median and p95 of |error|; the
+    median of |measured - predicted| in the phase's own unit; the means."""
     rel = np.array([(m - p) / p for p, m in pairs if p and p > 0])
     if rel.size == 0:
         return None
@@ -62,7 +72,54 @@ def error_stats(pairs: list[tuple[float, float]]) -> dict | None:
             "measured_mean": float(np.mean([m for _, m in pairs]))}
 
 
+def _dl_mode_verdicts(records: list[dict]) -> dict:
+    """What DL-mode verdicts carried against what the prediction provisioned for them."""
+    p = tokens = 0
+    token_bytes, provisioned = [], []
+    for rec in records:
+        for dev in rec["devices"].values():
+            if dev["mode"] != "DL" or dev.get("missed") or not dev.get("measured"):
+                continue
+            provisioned.append(dev["predicted"].get("dl_bits") or 0.0)
+            if dev.get("dl_payload") == "p":
+                p += 1
+            else:
+                tokens += 1
+                token_bytes.append(dev["measured"].get("dl_bytes") or 0)
+    return {"with_distribution": p, "with_token": tokens,
+            "token_bytes_median": float(np.median(token_bytes)) if token_bytes else None,
+            "provisioned_bits_median": float(np.median(provisioned)) if provisioned else None}
+
+
+def _ul_unmodeled(records: list[dict], mode: str) -> dict | None:
+    """Upload bits the model did not count (`ul_unmodeled_bits`), for one mode: its own term in the report."""
+    bits, secs, share, excess = [], [], [], []
+    for rec in records:
+        for dev in rec["devices"].values():
+            m = dev.get("measured") or {}
+            x = m.get("ul_unmodeled_bits")
+            if dev["mode"] != mode or dev.get("missed") or x is None:
+                continue
+            rate = dev["predicted"].get("ul_rate_bps")
+            bits.append(x)
+            secs.append(x / rate if rate else 0.0)
+            share.append(x / (8.0 * m["ul_bytes"]) if m.get("ul_bytes") else 0.0)
+            if m.get("ul_air_excess_s") is not None:
+                excess.append(m["ul_air_excess_s"])
+    if not bits:
+        return None
+    return {"n": len(bits), "median_bits": float(np.median(bits)), "median_s": float(np.median(secs)),
+            "median_share": float(np.median(share)),
+            # Held beyond the modeled air time (real mode: marker-to-payload gap, release lateness).
+            "air_excess_median_s": float(np.median(excess)) if excess else None,
+            "air_excess_p95_s": float(np.percentile(excess, 95)) if excess else None}
+
+
 def summarize(records: list[dict]) -> dict:
+    """The run in numbers (pure; `summary.json` and `multispin report`). Two goodputs, named by what they
+    average: `goodput_run_tps` = all tokens / all round time (the run's rate), `goodput_mean_round_tps` =
+    the mean of the per-round goodputs (every round weighs the same; a short round weighs as a long one).
+    The keys of earlier releases stay beside them for one release."""
     if not records:
         return {"rounds": 0}
     tokens = sum(r["measured"]["tokens"] for r in records)
@@ -85,116 +142,130 @@ def summarize(records: list[dict]) -> dict:
             s["drafted"] += d["draft_len"]
             s["draft_lens"].append(d["draft_len"])
     for s in devices.values():
-        # alpha: per-token acceptance (trials up to and including the first rejection, spec section 2);
-        # accepted/drafted is lower because drafts after a rejection are never tried.
-        s["acceptance"] = s["accepted"] / (s["accepted"] + s["rejections"]) if s["drafted"] else None
+        # Acceptance rate alpha: per-token acceptance (trials up to and including the first rejection, spec
+        # section 2); accepted/drafted is lower because drafts after a rejection are never tried.
+        s["acceptance_rate"] = s["accepted"] / (s["accepted"] + s["rejections"]) if s["drafted"] else None
+        s["acceptance"] = s["acceptance_rate"]  # the earlier name
         s["accepted_per_drafted"] = s["accepted"] / s["drafted"] if s["drafted"] else None
         s["mean_draft_len"] = float(np.mean(s.pop("draft_lens"))) if s["drafted"] else None
     errors = {k: error_stats(v) for k, v in phase_pairs(records).items()}
+    run_meas = tokens / time_s if time_s else None
+    run_pred = pred_tokens / pred_time if pred_time else None
+    mean_meas = float(np.mean([r["measured"]["goodput_tps"] or 0 for r in records]))
+    mean_pred = float(np.mean([r["predicted"]["goodput_tps"] or 0 for r in records]))
+    bases = sorted({r.get("time_base", "wall") for r in records})
+    wall = [r["measured"].get("wall_round_s") for r in records]
     return {
         "rounds": len(records), "policy": records[0].get("policy"), "channel_mode": records[0].get("channel_mode"),
+        # "virtual": measured compute + annotated air time (the model's time base); "wall": the edge's clock.
+        "time_base": bases[0] if len(bases) == 1 else "mixed",
         "tokens": tokens, "time_s": time_s,
-        "goodput_measured_tps": tokens / time_s if time_s else None,
-        "goodput_predicted_tps": pred_tokens / pred_time if pred_time else None,
-        "mean_round_goodput_measured_tps": float(np.mean([r["measured"]["goodput_tps"] or 0 for r in records])),
-        "mean_round_goodput_predicted_tps": float(np.mean([r["predicted"]["goodput_tps"] or 0 for r in records])),
+        "wall_time_s": float(sum(wall)) if all(w is not None for w in wall) else None,
+        "goodput_run_tps": {"measured": run_meas, "predicted": run_pred},
+        "goodput_mean_round_tps": {"measured": mean_meas, "predicted": mean_pred},
+        # The earlier names of the same numbers (for one release).
+        "goodput_measured_tps": run_meas, "goodput_predicted_tps": run_pred,
+        "mean_round_goodput_measured_tps": mean_meas, "mean_round_goodput_predicted_tps": mean_pred,
         "rounds_with_ul_and_dl": sum(1 for r in records if 0 < r["num_ul"] < len(r["devices"])),
+        "dl_provisioning": sorted({r["dl_provisioning"] for r in records if r.get("dl_provisioning")}),
+        "dl_mode_verdicts": _dl_mode_verdicts(records),
+        "ul_unmodeled": {"UL": _ul_unmodeled(records, "UL"), "DL": _ul_unmodeled(records, "DL")},
         "devices": devices, "phase_errors": errors,
     }
 
 
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def format_summary(summary: dict) -> str:
+    """The summary as text: the headline, the devices, measured against predicted per phase, a legend and
+    notes on what the prediction does not see."""
     if not summary.get("rounds"):
         return "no rounds recorded"
+    run, mean = summary["goodput_run_tps"], summary["goodput_mean_round_tps"]
+    base = summary.get("time_base", "wall")
+    clock = {"virtual": "virtual clock: measured compute + the emulator's annotated air time",
+             "wall": "the edge's wall clock"}.get(base, base)
+    ratio = run["measured"] / run["predicted"] if run["measured"] and run["predicted"] else None
     lines = [
         f"policy {summary['policy']}, channel {summary['channel_mode']}, {summary['rounds']} rounds, "
-        f"{summary['tokens']} tokens in {summary['time_s']:.2f} s",
-        f"goodput: measured {summary['goodput_measured_tps']:.2f} tok/s, predicted "
-        f"{summary['goodput_predicted_tps']:.2f} tok/s "
-        f"(ratio {summary['goodput_measured_tps'] / summary['goodput_predicted_tps']:.3f}); "
+        f"{summary['tokens']} tokens in {summary['time_s']:.2f} s ({clock})"
+        + (f"; wall clock {summary['wall_time_s']:.2f} s" if base == "virtual" and summary.get("wall_time_s")
+           else ""),
+        f"goodput: measured {_num(run['measured'], '.2f')} tok/s, predicted {_num(run['predicted'], '.2f')} tok/s "
+        f"(ratio {_num(ratio, '.3f')})  [goodput_run_tps: all tokens / all round time]",
+        f"         per-round mean: measured {mean['measured']:.2f} tok/s, predicted {mean['predicted']:.2f} tok/s  "
+        f"[goodput_mean_round_tps: mean of the rounds' tokens / round time]",
         f"rounds mixing UL and DL: {summary['rounds_with_ul_and_dl']}",
         "",
-        f"{'device':<10}{'UL rnds':>8}{'DL rnds':>8}{'missed':>7}{'tokens':>8}{'alpha':>8}{'acc/L':>8}{'mean L':>8}",
+        f"{'device':<10}{'UL rnds':>8}{'DL rnds':>8}{'missed':>7}{'tokens':>8}{'alpha':>8}{'acc/drft':>9}"
+        f"{'mean L':>8}",
     ]
     for name, s in summary["devices"].items():
-        acc = "-" if s["acceptance"] is None else f"{s['acceptance']:.3f}"
-        apd = "-" if s["accepted_per_drafted"] is None else f"{s['accepted_per_drafted']:.3f}"
-        ml = "-" if s["mean_draft_len"] is None else f"{s['mean_draft_len']:.2f}"
-        lines.append(f"{name:<10}{s['ul_rounds']:>8}{s['dl_rounds']:>8}{s['missed']:>7}{s['tokens']:>8}{acc:>8}{apd:>8}"
-                     f"{ml:>8}")
-    lines += ["", f"{'phase (meas vs pred)':<24}{'n':>5}{'pred mean':>11}{'meas mean':>11}{'median err':>11}"
-                  f"{'med |err|':>10}{'p95 |err|':>10}{'med |diff|':>11}"]
+        alpha = s.get("acceptance_rate", s.get("acceptance"))
+        lines.append(f"{name:<10}{s['ul_rounds']:>8}{s['dl_rounds']:>8}{s['missed']:>7}{s['tokens']:>8}"
+                     f"{_num(alpha, '.3f'):>8}{_num(s['accepted_per_drafted'], '.3f'):>9}"
+                     f"{_num(s['mean_draft_len'], '.2f'):>8}")
+    lines += ["alpha: acceptance rate per drafted token tried = accepted / (accepted + rejections); acc/drft: "
+              "accepted / drafted tokens (lower: drafts after a rejection are never tried); mean L: mean draft "
+              "length [tokens]",
+              "",
+              f"{'phase (meas vs pred)':<22}{'unit':>6}{'n':>5}{'pred mean':>11}{'meas mean':>11}{'med err':>9}"
+              f"{'med |err|':>10}{'p95 |err|':>10}{'med |diff|':>11}"]
     for phase, st in summary["phase_errors"].items():
+        unit = PHASES.get(phase, (None, None, "s"))[2]
+        scale, shown = (1e3, "ms") if unit == "s" else (1.0, unit)
         if st is None:
-            lines.append(f"{phase:<24}{0:>5}  (no samples)")
+            lines.append(f"{phase:<22}{shown:>6}{0:>5}  (no samples)")
             continue
-        lines.append(f"{phase:<24}{st['n']:>5}{st['predicted_mean']:>11.4g}{st['measured_mean']:>11.4g}"
-                     f"{st['median_error']:>+10.1%} {st['median_abs_error']:>9.1%}{st['p95_abs_error']:>10.1%}"
-                     f"{st['median_abs_diff']:>11.3g}")
+        lines.append(f"{phase:<22}{shown:>6}{st['n']:>5}{scale * st['predicted_mean']:>11.4g}"
+                     f"{scale * st['measured_mean']:>11.4g}{st['median_error']:>+9.1%}{st['median_abs_error']:>10.1%}"
+                     f"{st['p95_abs_error']:>10.1%}{scale * st['median_abs_diff']:>11.3g}")
+    lines.append("err: (measured - predicted) / predicted per sample; |diff|: |measured - predicted| in the unit "
+                 "shown; names as in rounds.jsonl (docs/system-model.md, section 10)")
+    lines += _notes(summary)
     return "\n".join(lines)
 
 
-def write_plots(records: list[dict], out_dir: str | Path) -> list[Path]:
-    import matplotlib
+def _notes(summary: dict) -> list[str]:
+    """What the comparison above does not show by itself."""
+    notes = []
+    dl = summary.get("dl_mode_verdicts") or {}
+    if "worst_case" in (summary.get("dl_provisioning") or []) and dl.get("with_token"):
+        notes.append(
+            f"note: dl_provisioning worst_case: the prediction reserves a full distribution "
+            f"(median {_num(dl.get('provisioned_bits_median'), '.4g')} bit) for every DL-mode device; in "
+            f"{dl['with_token']} of {dl['with_token'] + dl['with_distribution']} DL-mode device-rounds every draft "
+            f"was accepted and the verdict was a token (median {_num(dl.get('token_bytes_median'), '.0f')} bytes), "
+            f"so there the predicted downlink phase and round time are upper bounds (dl_air_s is compared only "
+            f"where a distribution went down)")
+    extra = (summary.get("ul_unmodeled") or {}).get("DL")
+    if extra:
+        notes.append(
+            f"note: DL-mode uploads on the wire minus the model's count with its fitted header H: median "
+            f"{extra['median_bits']:+.0f} bit ({1e3 * extra['median_s']:+.3g} ms at the planned rate, "
+            f"{extra['median_share']:+.1%} of the upload; ul_unmodeled_bits, its own term, not in the prediction: "
+            f"int32 ids and float64 q_at on the wire against b_id and b_p bits in the model)")
+        if extra.get("air_excess_p95_s"):
+            notes.append(
+                f"note: DL-mode uploads were held beyond their modeled air time by a median "
+                f"{1e3 * extra['air_excess_median_s']:.3g} ms, p95 {1e3 * extra['air_excess_p95_s']:.3g} ms "
+                f"(ul_air_excess_s, part of the measured ul_air_s: the payload reached the emulator later after "
+                f"its tx_start marker than its air time, or the emulator released it late)")
+    if summary.get("channel_mode") == "virtual" and summary.get("time_base") != "virtual":
+        notes.append("note: records of a virtual channel without a virtual time base (an earlier release): their "
+                     "phase and round times are the wall clock, without the air time, and do not compare with "
+                     "the prediction")
+    if summary.get("time_base") == "virtual":
+        notes.append("note: time base virtual: phase and round times are measured compute plus the air time the "
+                     "emulator annotated; measured.wall_round_s in rounds.jsonl holds the wall-clock round")
+    return notes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    rounds = [r["round"] for r in records]
+def write_plots(records: list[dict], out_dir: str | Path, title: str | None = None) -> list[Path]:
+    """goodput.png, phases.png, timeline.png (testbed/run_plots.py draws them); `title`, e.g. the run
+    directory's name, heads each plot with the policy."""
+    from testbed.run_plots import write_run_plots
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(rounds, [r["measured"]["goodput_tps"] for r in records], label="measured", marker=".")
-    ax.plot(rounds, [r["predicted"]["goodput_tps"] for r in records], label="predicted", marker=".")
-    ax.set_xlabel("round")
-    ax.set_ylabel("goodput (tokens/s)")
-    ax.set_title("goodput per round")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "goodput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    pairs = phase_pairs(records)
-    shown = [k for k, v in pairs.items() if v and k != "goodput"]
-    cols = 3
-    nrows = max(1, (len(shown) + cols - 1) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.6 * nrows), squeeze=False)
-    for ax, phase in zip(axes.flat, shown):
-        p = np.array([a for a, _ in pairs[phase]])
-        m = np.array([b for _, b in pairs[phase]])
-        ax.scatter(p, m, s=8, alpha=0.6)
-        lo, hi = float(min(p.min(), m.min())), float(max(p.max(), m.max()))
-        ax.plot([lo, hi], [lo, hi], color="k", lw=0.8)
-        ax.set_title(phase)
-        ax.set_xlabel("predicted (s)")
-        ax.set_ylabel("measured (s)")
-    for ax in list(axes.flat)[len(shown):]:
-        ax.axis("off")
-    fig.tight_layout()
-    paths.append(out / "phases.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    names = sorted({n for r in records for n in r["devices"]})
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.8))
-    for i, name in enumerate(names):
-        for r in records:
-            d = r["devices"].get(name)
-            if d is None:
-                continue
-            color = "tab:blue" if d["mode"] == "UL" else "tab:orange"
-            if d.get("missed"):
-                color = "lightgray"
-            ax.barh(i, 1, left=r["round"] - 0.5, color=color, edgecolor="white", linewidth=0.3)
-            ax.text(r["round"], i, str(d["draft_len"]), ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("round")
-    ax.set_title("mode (blue UL, orange DL, gray missed) and draft length per round")
-    fig.tight_layout()
-    paths.append(out / "timeline.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return write_run_plots(records, out_dir, title=title)

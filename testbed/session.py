@@ -328,7 +328,8 @@ def start_edge(s: LiveSession) -> None:
                               deadline_s=p.deadline_s, max_misses=p.max_misses, max_new_tokens=p.max_new_tokens,
                               on_air_vocab_size=p.on_air_vocab_size, vocab_size=s.vocab,
                               channel_mode=p.channel.mode, base_latency_s=p.channel.base_latency_s,
-                              recorder=s.recorder, policy=p.policy, prompt_texts=texts, **extra)
+                              recorder=s.recorder, policy=p.policy, prompt_texts=texts,
+                              measure_links=p.channel.measure_links, **extra)
     except zmq.ZMQError as exc:  # a port taken since check_endpoints, or an address not of this host
         hp = tcp_port(bind)
         if exc.errno == zmq.EADDRINUSE and hp is not None:
@@ -368,8 +369,17 @@ def start_devices(s: LiveSession, connect: str) -> None:
     s.launcher.keys_dir = s.profile.keys_dir
     if s.start_devices:
         for n in s.names:
-            s.launcher.start_device(n, connect, s.pair["draft_onnx"], s.profile.hardware.get(n))
+            s.launcher.start_device(n, connect, s.pair["draft_onnx"], s.profile.hardware.get(n),
+                                    extra_args=link_probe_args(s, n))
     s.recorder.update_meta(pids=s.launcher.pids())  # what to look for if this process is killed
+
+
+def link_probe_args(s: LiveSession, name: str) -> list[str]:
+    """The device's link probe options (`link_probe.<name>` of the profile), or none."""
+    spec = s.profile.link_probe.get(name, "none")
+    if spec == "none":
+        return []
+    return ["--link-probe", spec, "--link-probe-period-s", str(s.profile.link_probe_period_s)]
 
 
 def wait_for_devices(s: LiveSession) -> None:
@@ -378,7 +388,7 @@ def wait_for_devices(s: LiveSession) -> None:
     wait_s = s.profile.wait_for_devices_s
     deadline = time.monotonic() + wait_s
     # Fatal errors devices sent the edge (e.g. "cannot load its model"): name -> reason, if the edge keeps them.
-    told = getattr(s.server, "device_errors", {})
+    told = s.server.device_errors
     while True:
         missing = s.server.wait_for_devices(s.names, max(0.0, min(1.0, deadline - time.monotonic())))
         if not missing or time.monotonic() >= deadline:
@@ -431,18 +441,7 @@ def run_rounds(s: LiveSession, progress: bool, on_round) -> list[dict]:
 
 def run_from(server: EdgeServer, start: int, rounds: int, on_round) -> list[dict]:
     """Rounds `start`..`rounds`-1 (round indices seed every random draw, so a resumed run numbers on)."""
-    if start == 0:
-        return server.run(rounds, on_round=on_round)
-    if "start_round" in inspect.signature(server.run).parameters:
-        return server.run(rounds, on_round=on_round, start_round=start)
-    # An edge whose loop counts from 0: shift the index its loop hands to run_round (which plans, schedules
-    # and records with it).
-    inner = server.run_round
-    server.run_round = lambda r: inner(r + start)
-    try:
-        return server.run(rounds - start, on_round=on_round)
-    finally:
-        del server.run_round
+    return server.run(rounds, on_round=on_round, start_round=start)
 
 
 def outcome(s: LiveSession, records: list[dict]) -> tuple[str, str]:
@@ -468,7 +467,7 @@ def finish(s: LiveSession, records: list[dict], status: str, reason: str) -> dic
         records = list(iter_rounds(s.run_dir))
     summary = report.summarize(records)
     summary.update(status=status, reason=reason, rounds_requested=s.profile.rounds,
-                   refused_messages=s.server.refused)
+                   refused_messages=s.server.refused, refusals=dict(s.server.refusals))
     if s.channel is not None:
         try:
             summary["channel_stats"] = s.channel.stats()
@@ -521,26 +520,25 @@ def session_outputs(s: LiveSession, sessions: dict, *, text: bool = True) -> dic
 def abort_run(s: LiveSession, status: str, reason: str) -> None:
     """Best effort for a run that stopped early: keep the last round's record, tell the devices, and write
     outputs.json and summary.json from what is on disk. Logs what fails; never raises."""
-    if s.server is not None:
-        # An edge that writes each record during the next round's drafting still holds the last one.
-        flush = getattr(s.server, "_flush_record", None)
-        for step, call in (("last record", flush),
-                           ("outputs", lambda: s.recorder.write_outputs(
-                               session_outputs(s, s.server.finish(f"run {status}: {reason}"))))):
-            if call is None:
-                continue
-            try:
-                call()
-            except Exception as exc:  # the disk that stopped the run may refuse this too
-                log.error("while stopping the run (%s): %s", step, exc)
+    if s.server is not None:  # each round's record is already on disk: it is written as the round ends
+        try:
+            s.recorder.write_outputs(session_outputs(s, s.server.finish(f"run {status}: {reason}")))
+        except Exception as exc:  # the disk that stopped the run may refuse this too
+            log.error("while stopping the run (outputs): %s", exc)
     summary: dict = {}
     try:
         summary = report.summarize(list(iter_rounds(s.run_dir)))
         summary["rounds_requested"] = s.profile.rounds
         if s.server is not None:
             summary["refused_messages"] = s.server.refused
+            summary["refusals"] = dict(s.server.refusals)
     except Exception as exc:
         log.error("while stopping the run (summary): %s", exc)
+    if s.channel is not None:  # an emulator that died (the reason the run stopped, perhaps) has none
+        try:
+            summary["channel_stats"] = s.channel.stats()
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("channel emulator stats: %s", exc)
     s.recorder.end_run(status, reason, summary)
 
 

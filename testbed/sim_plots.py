@@ -1,4 +1,8 @@
-"""Plots of a simulator sweep (matplotlib, Agg backend): goodput per policy, UL devices, Monte Carlo."""
+"""Plots of a simulator sweep (matplotlib, Agg backend): goodput per policy, UL devices, Monte Carlo.
+
+Drawn for a paper: the swept quantity with its symbol and unit on the x-axis (bandwidths in MHz), integer
+ticks for integer keys, the number of drops in the titles, and Monte Carlo points with 95% error bars.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,23 @@ from pathlib import Path
 import numpy as np
 
 _LOG_KEYS = {"dl_bandwidth", "ul_bandwidth", "dl_power", "vocab_size"}
+_INT_KEYS = {"devices", "bits_per_prob", "vocab_size", "max_draft_len"}
+# sweep key -> (axis label with unit, factor from the CSV's unit to the axis's)
+AXES = {
+    "devices": ("number of devices $N$", 1.0),
+    "dl_bandwidth": ("downlink bandwidth $B^D$ (MHz)", 1e-6),
+    "ul_bandwidth": ("uplink bandwidth per device $B^U$ (MHz)", 1e-6),
+    "dl_power": ("downlink transmit power $P_s$ (W)", 1.0),
+    "bits_per_prob": ("bits per probability $b_p$ (bit)", 1.0),
+    "acceptance": (r"acceptance rate $\alpha$ (per token)", 1.0),
+    "vocab_size": ("vocabulary size $V$ (entries)", 1.0),
+    "max_draft_len": ("maximum draft length $L_{max}$ (tokens)", 1.0),
+}
+
+
+def axis_label(key: str) -> str:
+    """The x-axis label of a sweep key, with its unit."""
+    return AXES.get(key, (key, 1.0))[0]
 
 
 def _grouped(rows, metric):
@@ -15,7 +36,7 @@ def _grouped(rows, metric):
     for policy in dict.fromkeys(r["policy"] for r in rows):
         per = {}
         for r in rows:
-            if r["policy"] == policy and metric in r:
+            if r["policy"] == policy and r.get(metric) is not None:
                 per.setdefault(r["value"], []).append(r[metric])
         if not per:
             continue
@@ -28,15 +49,46 @@ def _grouped(rows, metric):
 
 def _axes(key, ylabel, title):
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    ax.set_xlabel(key)
+    ax.set_xlabel(axis_label(key))
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     if key in _LOG_KEYS:
         ax.set_xscale("log")
+    elif key in _INT_KEYS:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
     return fig, ax
+
+
+def _mc_ci95(rows: list[dict], policy: str, xs) -> np.ndarray | None:
+    """Half-width of the 95% interval of the Monte Carlo mean over the drops at each x. The MC mean is set
+    against the analytic mean over the same drops, so its uncertainty is the simulation's own:
+    sqrt(sum of the plans' squared standard errors) / n."""
+    out = []
+    for x in xs:
+        sems = [r.get("mc_goodput_sem") for r in rows if r["policy"] == policy and r["value"] == x]
+        if not sems or any(v is None for v in sems):
+            return None
+        out.append(1.96 * np.sqrt(np.sum(np.square(sems))) / len(sems))
+    return np.array(out)
+
+
+def _sweep_ticks(ax, key: str, rows: list[dict]) -> None:
+    """On a log axis, ticks at the swept values written plainly (2, 5, 10 MHz, not 10^0 and 10^1)."""
+    if key not in _LOG_KEYS:
+        return
+    from matplotlib.ticker import NullLocator
+
+    xs = _x(key, sorted({r["value"] for r in rows}))
+    ax.set_xticks(xs, [f"{v:g}" for v in xs])
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def _x(key, xs):
+    return np.asarray(xs, float) * AXES.get(key, (key, 1.0))[1]
 
 
 def plot_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -52,43 +104,52 @@ def plot_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
     drops = len({r["drop"] for r in rows})
     paths = []
 
-    fig, ax = _axes(key, "goodput (tokens/s)", f"Goodput vs {key} (mean, band = min..max over {drops} drops)")
+    fig, ax = _axes(key, "goodput (tokens/s)",
+                    f"Goodput vs {axis_label(key).split(' (')[0]}: mean over {drops} drops (band: min to max)")
     for policy, (xs, m, lo, hi) in _grouped(rows, "goodput_tps").items():
         style = dict(lw=2.5, zorder=5) if policy == "proposed" else dict(lw=1.3)  # on top of ties
-        line, = ax.plot(xs, m, marker="o", ms=3, label=policy, **style)
-        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
+        line, = ax.plot(_x(key, xs), m, marker="o", ms=3, label=policy, **style)
+        ax.fill_between(_x(key, xs), lo, hi, color=line.get_color(), alpha=0.12)
     ax.legend(fontsize=8)
+    _sweep_ticks(ax, key, rows)
     fig.tight_layout()
     paths.append(out_dir / "goodput.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=130)
     plt.close(fig)
 
-    fig, ax = _axes(key, "UL-mode devices K", f"Number of UL-mode devices vs {key}")
+    fig, ax = _axes(key, "UL-mode devices $K$",
+                    f"Number of UL-mode devices vs {axis_label(key).split(' (')[0]} (mean over {drops} drops)")
     groups = _grouped(rows, "num_ul_devices")
     for policy in ("proposed", "proposed-basic", "common-length", "fixed-length", "exhaustive"):
         if policy in groups:
             xs, m, lo, hi = groups[policy]
-            line, = ax.plot(xs, m, marker="o", ms=3, label=policy, lw=2.5 if policy == "proposed" else 1.3)
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
+            line, = ax.plot(_x(key, xs), m, marker="o", ms=3, label=policy, lw=2.5 if policy == "proposed" else 1.3)
+            ax.fill_between(_x(key, xs), lo, hi, color=line.get_color(), alpha=0.12)
     if key == "devices":
         xs = np.array(sorted({r["value"] for r in rows}))
-        ax.plot(xs, xs, "k:", lw=1, label="N (all UL)")
+        ax.plot(xs, xs, "k:", lw=1, label="$N$ (all UL)")
     ax.legend(fontsize=8)
+    _sweep_ticks(ax, key, rows)
     fig.tight_layout()
     paths.append(out_dir / "ul_devices.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=130)
     plt.close(fig)
 
     mc = _grouped(rows, "mc_goodput_tps")
     if mc:
         an = _grouped(rows, "goodput_tps")
-        fig, ax = _axes(key, "goodput (tokens/s)", f"Analytic (lines) vs Monte Carlo (markers) vs {key}")
+        fig, ax = _axes(key, "goodput (tokens/s)",
+                        f"Analytic (lines) vs Monte Carlo (points, 95% CI) vs {axis_label(key).split(' (')[0]}, "
+                        f"{drops} drops")
         for policy, (xs, m, _lo, _hi) in mc.items():
-            line, = ax.plot(an[policy][0], an[policy][1], lw=1.3, label=f"{policy} analytic")
-            ax.plot(xs, m, "x", ms=7, color=line.get_color(), label=f"{policy} MC")
+            line, = ax.plot(_x(key, an[policy][0]), an[policy][1], lw=1.3, label=f"{policy} analytic")
+            err = _mc_ci95(rows, policy, xs)
+            ax.errorbar(_x(key, xs), m, yerr=err, fmt="x", ms=6, capsize=3, color=line.get_color(),
+                        label=f"{policy} Monte Carlo")
         ax.legend(fontsize=7, ncol=2)
+        _sweep_ticks(ax, key, rows)
         fig.tight_layout()
         paths.append(out_dir / "monte_carlo.png")
-        fig.savefig(paths[-1], dpi=120)
+        fig.savefig(paths[-1], dpi=130)
         plt.close(fig)
     return paths

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_validate_json_reports_every_cell_and_skips_long_ones(capsys):
     rc = main(["channel", "validate", "--sizes", "2000,1e6", "--rates", "1e6", "--repeats", "3", "--json"])
-    assert rc == 0
     out = json.loads(capsys.readouterr().out)
+    # The exit status says whether the measured cell met the 1% target (a shared host may miss it).
+    assert rc == (0 if out["cells"][0]["meets_target"] else 1)
     assert out["mode"] == "real" and out["lead"]["lead_s"] >= 0
     small, big = out["cells"]
     assert big["skipped"] and "> 3.0 s" in big["skipped"]
@@ -33,7 +34,8 @@ def test_validate_json_reports_every_cell_and_skips_long_ones(capsys):
 
 
 def test_validate_table_and_bad_arguments(capsys):
-    assert main(["channel", "validate", "--sizes", "500", "--rates", "1e6", "--repeats", "2", "--lead", "0,0"]) == 0
+    rc = main(["channel", "validate", "--sizes", "500", "--rates", "1e6", "--repeats", "2", "--lead", "0,0"])
+    assert rc in (0, 1)  # 1: the cell missed the 1% target (a shared host may)
     out = capsys.readouterr().out
     assert "lead 0.000 ms" in out and "median err" in out and "cells meet it" in out
     assert main(["channel", "validate", "--repeats", "0"]) == 2

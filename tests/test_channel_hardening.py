@@ -144,3 +144,13 @@ def test_curve_frontend_and_control(bench, tmp_path):
     with pytest.raises(RuntimeError, match="only the edge"):
         b.control(keys=ClientKeys.for_name(keys, "dev0")).stop()
     assert b.control(keys=ClientKeys.for_name(keys, "edge")).stats()["ok"]
+
+
+def test_a_senders_own_air_time_annotation_is_stripped(bench):
+    b = bench()
+    d = b.device("dev0")
+    forged = {"bytes": 10, "rate_bps": 1e12, "airtime_s": 0.0, "held_s": 0.0, "mode": "real"}
+    d.send_multipart([encode_header({"type": "draft", "round": 0, "channel": forged}), bytes(1000)])
+    ident, header, _ = b.edge.recv_multipart()
+    assert ident == b"dev0" and decode_header(header)["channel"] is None
+    assert b.proxy.counters["forged_annotation"] == 1

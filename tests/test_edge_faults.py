@@ -542,3 +542,20 @@ def test_a_killed_device_is_dropped_after_the_liveness_window_and_can_rejoin(mic
     assert server.sessions["dev1"].sid != first_sid
     assert [r["round"] for r in later] == [9, 10, 11]
     assert all(not r["devices"]["dev1"]["missed"] for r in later)
+
+
+def test_a_device_that_cannot_start_tells_the_edge_why(ipc, caplog):
+    from device_node.node import tell_edge
+
+    server = make_server(ipc)
+    try:
+        with caplog.at_level(logging.ERROR, logger="multispin.edge"):
+            tell_edge(ipc, "dev0", "device dev0 cannot start: draft.onnx: not a loadable ONNX model", None,
+                      wait_s=1.0)
+            tell_edge(ipc, "stranger", "let me in", None, wait_s=1.0)
+            server.poll(time.monotonic() + 1.0, stop=lambda: "dev0" in server.device_errors)
+        assert server.device_errors == {"dev0": "device dev0 cannot start: draft.onnx: not a loadable ONNX model"}
+        assert "dev0: cannot take part: device dev0 cannot start" in caplog.text
+        assert server.wait_for_devices(["dev1"], 0.2) == ["dev1"]  # the edge keeps serving
+    finally:
+        server.close()

@@ -210,7 +210,9 @@ def test_run_report_and_compare_commands(micro_pair, tmp_path):
                       "--runs-dir", str(tmp_path / "cmp"), "--quiet")
     assert cmp_.returncode == 0, cmp_.stdout[-2000:] + cmp_.stderr[-2000:]
     table = json.loads(next((tmp_path / "cmp").glob("*/compare.json")).read_text())
-    assert [row["policy"] for row in table] == ["all-ul", "all-dl"] and table[0]["ratio"] == 1.0
+    assert table["policies"] == ["all-ul", "all-dl"] and table["repeats"] == 1
+    assert [row["policy"] for row in table["per_policy"]] == ["all-ul", "all-dl"]
+    assert all(row["runs"] == 1 and row["measured_mean_tps"] > 0 for row in table["per_policy"])
     for policy, mode in (("all-ul", "UL"), ("all-dl", "DL")):
         _, recs = load_run(next((tmp_path / "cmp").glob(f"*/{policy}")))
         assert all(d["mode"] == mode for r in recs for d in r["devices"].values())

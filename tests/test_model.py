@@ -78,6 +78,17 @@ def test_newton_solver_equals_bisection_for_unequal_payloads():
         assert np.allclose(lat, tau_n, rtol=1e-6)  # all DL latencies equal at the optimum
 
 
+def test_verify_time_from_its_statistics_is_the_same_number():
+    # The optimizer's incremental scoring computes T_ver from sum (L + 1) and max L only.
+    rng = np.random.default_rng(5)
+    for batch in ("ragged", "padded"):
+        sc = scenario(6, verify_batch=batch, verify_t1_s=1.3e-4)
+        L = rng.integers(1, 13, size=(50, 6))
+        direct = model.verify_time(sc, L)
+        stats = model.verify_time_of(sc, (L + 1).sum(-1), L.max(-1), 6)
+        assert np.array_equal(direct, stats)
+
+
 def test_removing_a_dl_device_never_increases_tau():
     rng = np.random.default_rng(3)
     for _ in range(20):

@@ -64,3 +64,22 @@ def test_pinned_and_planned_entries_are_the_same_devices_entries():
     # Only the mode pinned: the optimizer's lengths, capped at the profile's L_max.
     half = Controller(sc, pin_mode="DL").plan_round(0, ["d0", "d1", "d2"])
     assert half.plan["policy"] == "proposed+pinned" and {d.mode for d in half.per_device.values()} == {"DL"}
+
+
+def test_an_infeasible_policy_falls_back_for_the_round(caplog):
+    """A budget that only a DL-mode upload fits: all-ul finds nothing feasible, the controller plans the round
+    with the fallback policy and says why; a budget nothing fits stops the run with a clear error."""
+    from testbed.controller import FALLBACK_POLICY, Controller
+    from testbed.errors import TestbedError
+
+    devs = [dict(name="a", distance_m=300, draft_time_s=0.02, acceptance=0.7, energy_budget_j=1e-6),
+            dict(name="b", distance_m=100, draft_time_s=0.02, acceptance=0.7)]
+    ctl = Controller(Scenario.from_dict(dict(devices=devs)), policy="all-ul")
+    with caplog.at_level("WARNING", logger="multispin.controller"):
+        rp = ctl.plan_round(0, ["a", "b"])
+    assert rp.plan["policy"] == FALLBACK_POLICY and rp.per_device["a"].mode == "DL"
+    assert "planning this round with all-dl" in caplog.text
+    devs[0]["energy_budget_j"] = 1e-12
+    ctl = Controller(Scenario.from_dict(dict(devices=devs)), policy="all-ul")
+    with pytest.raises(TestbedError, match="no feasible schedule"):
+        ctl.plan_round(0, ["a", "b"])

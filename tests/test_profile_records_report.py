@@ -109,9 +109,9 @@ def test_summary_errors_per_phase_and_plots(tmp_path):
     s = report.summarize(recs)
     assert s["rounds"] == 6 and s["tokens"] == 24
     e = s["phase_errors"]
-    assert e["draft"]["median_error"] == pytest.approx(0.1)
-    assert e["verify"]["median_error"] == pytest.approx(1.0)
-    assert e["round"]["median_abs_error"] == pytest.approx(0.5)
+    assert e["draft_s"]["median_error"] == pytest.approx(0.1)
+    assert e["verify_s"]["median_error"] == pytest.approx(1.0)
+    assert e["round_s"]["median_abs_error"] == pytest.approx(0.5)
     text = report.format_summary(s)
     assert "goodput: measured" in text and "verify" in text
     paths = report.write_plots(recs, tmp_path)

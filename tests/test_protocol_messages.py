@@ -288,3 +288,19 @@ def test_register_hardware_keeps_scalars():
     reg = M.parse_register(_roundtrip(M.register("dev0", 50, hw))[0])
     assert reg.hardware == {**hw, "compute_scale": 3.0} and reg.vocab_size == 50
     assert M.parse_register({"type": "register", "name": "d", "vocab_size": 3}).hardware == {}
+
+
+def test_report_carries_a_validated_link_reading():
+    link = {"snr_db": 21.5, "signal_dbm": -60.0, "noise_dbm": -81.5, "age_s": 0.25, "source": "file:/tmp/snr",
+            "error": None, "extra": "dropped"}
+    h, _ = P.decode(M.report(7, 3, 2, {"correction_s": 0.001}, None, link=link))
+    rep = M.parse_report(h, 40)
+    assert rep.link == {"snr_db": 21.5, "signal_dbm": -60.0, "noise_dbm": -81.5, "age_s": 0.25,
+                        "source": "file:/tmp/snr", "error": None}
+    h, _ = P.decode(M.report(7, 3, 2, {}, None))
+    assert M.parse_report(h, 40).link is None
+    for bad, field in (({"snr_db": "high"}, "report.link.snr_db"), ({"age_s": -1.0}, "report.link.age_s"),
+                       ([1, 2], "report.link")):
+        h, _ = P.decode(M.report(7, 3, 2, {}, None, link=bad))
+        with pytest.raises(ProtocolError, match=field.replace(".", r"\.")):
+            M.parse_report(h, 40)

@@ -274,6 +274,13 @@ def test_a_lan_endpoint_needs_keys_or_insecure(micro_pair, tmp_path):
         run_live(load_profile(data), tmp_path / "run2", progress=False)
 
 
+def test_multispin_edge_on_all_interfaces_refuses_without_keys(tmp_path):
+    out = subprocess.run([*CLI, "edge", "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "tcp://0.0.0.0:5555" in out.stderr and "security: insecure" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_run_with_keys_uses_curve_everywhere(micro_pair, tmp_path):
     import inspect
 

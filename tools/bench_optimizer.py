@@ -1,51 +1,135 @@
-"""Time one `proposed` plan for N = 8, 32, 128, 512 random devices (spec section 5 drops).
+"""Time one plan (policy `proposed` by default) for N = 8, 32, 128, 512 random devices (spec section 5 drops).
 
-Prints the median of several runs per N, the growth exponent of a log-log fit, and whether N = 128
-meets the live controller's budget of 100 ms per plan. Run: python tools/bench_optimizer.py [--repeats R]
+Prints, per N, the median of several runs of this tree's optimizer and, side by side, of the optimizer of
+another git revision (HEAD by default; its testbed/core/optimizer.py and power.py are loaded from git into
+temporary modules, the rest of testbed/core is this tree's), timed alternately so that both see the same
+machine load; whether both chose the same schedule; the growth exponent of a log-log fit of the median
+time against N; and the targets: N = 128 under 15 ms, N = 512 under 100 ms (issue 12), and N = 128 under
+the live controller's budget of 100 ms per plan.
+
+Run: python tools/bench_optimizer.py [--repeats R] [--sizes 8,32,128,512] [--against REV | --no-compare]
+     [--set dl_provisioning=expected --set rounds=asynchronous ...]   (scenario fields of every drop)
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import subprocess
+import sys
 import time
+import types
+from pathlib import Path
 
 import numpy as np
+from bench_common import interleaved_medians  # tools/ is on sys.path when a script here runs
 
-from testbed.core.optimizer import plan
-from testbed.core.scenario import DropSpec, Scenario
-from testbed.core.simulate import draw_devices
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-BUDGET_S = 0.100
+from testbed.core.optimizer import plan  # noqa: E402
+from testbed.core.scenario import DropSpec, Scenario  # noqa: E402
+from testbed.core.simulate import draw_devices  # noqa: E402
+
+BUDGET_S = 0.100                           # the live controller's plan budget at N = 128
+TARGETS_S = {128: 0.015, 512: 0.100}       # issue 12
+
+
+def load_revision(rev: str):
+    """The `plan` function of git revision `rev` (its optimizer and DL power solver; the rest is this tree's)."""
+    def source(path):
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout
+    power = types.ModuleType(f"_bench_power_{rev}")
+    exec(compile(source("testbed/core/power.py"), f"{rev}:testbed/core/power.py", "exec"), power.__dict__)
+    sys.modules[power.__name__] = power
+    opt_src = source("testbed/core/optimizer.py").replace(
+        "from testbed.core.power import", f"from {power.__name__} import")
+    opt = types.ModuleType(f"_bench_optimizer_{rev}")
+    sys.modules[opt.__name__] = opt  # dataclasses look their module up
+    exec(compile(opt_src, f"{rev}:testbed/core/optimizer.py", "exec"), opt.__dict__)
+    return opt.plan
+
+
+def timer(fn, sc, policy):
+    def run():
+        t0 = time.perf_counter()
+        fn(sc, policy)
+        return time.perf_counter() - t0
+    return run
+
+
+def exponent(sizes, times) -> float:
+    return float(np.polyfit(np.log(sizes), np.log(times), 1)[0])
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8,32,128,512")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--policy", default="proposed")
+    ap.add_argument("--against", default="HEAD", help="git revision to compare with (default HEAD)")
+    ap.add_argument("--no-compare", action="store_true", help="time this tree only")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a scenario field for every drop, e.g. dl_provisioning=expected (repeatable)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    medians = []
-    print(f"{'N':>6} {'median ms':>10} {'min ms':>8} {'K':>5} {'mean L':>7} {'evaluations':>12}")
+    fields = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            fields[key] = float(value) if value.replace(".", "", 1).replace("e", "", 1).lstrip("-").isdigit() \
+                else value
+        except ValueError:
+            fields[key] = value
+    if fields:
+        print("scenario fields:", fields)
+    old_plan = None
+    if not args.no_compare:
+        try:
+            old_plan = load_revision(args.against)
+        except (subprocess.CalledProcessError, OSError, SyntaxError, ImportError) as exc:
+            print(f"(no comparison: cannot load {args.against}: {exc})")
+    new_t, old_t = [], []
+    head = f"{'N':>5} {'new ms':>8}"
+    if old_plan:
+        head += f" {args.against + ' ms':>10} {'speed-up':>8} {'same plan':>9}"
+    print(head + f" {'K':>5} {'mean L':>7} {'evaluations':>11}")
     for n in sizes:
-        sc = Scenario.from_dict(dict(devices=draw_devices(DropSpec(), n, (0, 0))))
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            p = plan(sc, args.policy)
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
-        medians.append(med)
-        print(f"{n:>6} {med * 1e3:>10.1f} {min(times) * 1e3:>8.1f} {p.evaluation.num_ul_devices:>5} "
-              f"{np.mean(p.draft_lens):>7.2f} {p.info['evaluations']:>12}")
-    slope = np.polyfit(np.log(sizes), np.log(medians), 1)[0]
-    print(f"growth exponent (log-log fit of median time vs N): {slope:.2f}")
+        sc = Scenario.from_dict(dict(devices=draw_devices(DropSpec(), n, (0, 0)), **fields))
+        p = plan(sc, args.policy)  # warm-up, and the schedule to report
+        line = ""
+        if old_plan:
+            q = old_plan(sc, args.policy)
+            same = q.modes == p.modes and list(q.draft_lens) == list(p.draft_lens)
+            t_new, t_old = interleaved_medians(timer(plan, sc, args.policy), timer(old_plan, sc, args.policy),
+                                               args.repeats)
+            old_t.append(t_old)
+            line = f" {t_old * 1e3:>10.1f} {t_old / t_new:>7.1f}x {'yes' if same else 'NO':>9}"
+        else:
+            t_new = interleaved_medians(timer(plan, sc, args.policy), lambda: 0.0, args.repeats)[0]
+        new_t.append(t_new)
+        print(f"{n:>5} {t_new * 1e3:>8.1f}" + line + f" {p.evaluation.num_ul_devices:>5} "
+              f"{np.mean(p.draft_lens):>7.2f} {p.info['evaluations']:>11}")
+    if len(sizes) > 1:
+        text = f"growth exponent (log-log fit of median time vs N): new {exponent(sizes, new_t):.2f}"
+        if old_t:
+            text += f", {args.against} {exponent(sizes, old_t):.2f}"
+        print(text)
+        for a, b in zip(range(len(sizes)), range(1, len(sizes))):
+            if sizes[a] >= 128:
+                print(f"  from N={sizes[a]} to {sizes[b]}: new N^{exponent(sizes[a:b + 1], new_t[a:b + 1]):.2f}"
+                      + (f", {args.against} N^{exponent(sizes[a:b + 1], old_t[a:b + 1]):.2f}" if old_t else ""))
+    if fields:
+        print("(the targets below are for the default drop, without --set)")
+    for n, target in TARGETS_S.items():
+        if n in sizes:
+            t = new_t[sizes.index(n)]
+            print(f"N={n}: {t * 1e3:.1f} ms vs target {target * 1e3:.0f} ms -> "
+                  f"{'OK' if t < target else 'OVER TARGET'}")
     if 128 in sizes:
-        t128 = medians[sizes.index(128)]
-        verdict = "OK" if t128 < BUDGET_S else "OVER BUDGET"
-        print(f"N=128: {t128 * 1e3:.1f} ms vs budget {BUDGET_S * 1e3:.0f} ms -> {verdict} "
-              f"(ratio {t128 / BUDGET_S:.2f})")
+        t128 = new_t[sizes.index(128)]
+        print(f"N=128: {t128 * 1e3:.1f} ms vs the controller's budget {BUDGET_S * 1e3:.0f} ms -> "
+              f"{'OK' if t128 < BUDGET_S else 'OVER BUDGET'} (ratio {t128 / BUDGET_S:.2f})")
     return 0
 
 

@@ -2,15 +2,19 @@
 in-process speculative decoding loop on the same pair, settings, seeds and schedule, side by side.
 
     python tools/bench_overhead.py [--pair default|micro|DIR] [--rounds 40] [--draft-len 4] [--mode UL]
+                                   [--curve off|on|both]
 
 Prints tokens/s of both, their ratio (target >= 0.8) and the per-round overhead in ms, and checks that
-both produced the same tokens (same seeds, same accept/reject code).
+both produced the same tokens (same seeds, same accept/reject code). `--curve on` authenticates and
+encrypts the edge's socket (CURVE, keys made for the run; loopback tcp), `both` measures it beside a plain
+tcp run in the same repetitions, so the cost of security reads off one table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -72,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the target (both sides)")
     ap.add_argument("--device", default=None, help="torch device of the target (default: cuda if any, else cpu)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating repetitions (the median is reported)")
+    ap.add_argument("--curve", choices=["off", "on", "both"], default="off",
+                    help="CURVE on the edge socket (tcp loopback); both: plain and CURVE side by side")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -82,7 +88,7 @@ def main(argv=None) -> int:
 
     paths = pair_paths(args.pair)
     prompt = "The :mod:`json` module provides"
-    profile = load_profile({
+    base = {
         "name": "bench-overhead", "rounds": args.rounds, "seed": args.seed, "prompts": [prompt],
         "model": {"pair": "local", "target": str(paths.target_dir), "draft_onnx": str(paths.draft_onnx),
                   "tokenizer": str(paths.tokenizer), "threads": args.threads, "device": args.device},
@@ -90,48 +96,95 @@ def main(argv=None) -> int:
         "estimator": {"fit_verify_after": 0},
         "scenario": {"bits_per_prob": 16, "max_draft_len": max(8, args.draft_len),
                      "devices": [{"name": "d0", "distance_m": 100, "draft_time_s": 0.001, "acceptance": 0.65}]},
-    })
+    }
+    keys_dir = Path(tempfile.mkdtemp(prefix="ms-bench-keys-"))
+    variants = {"off": ["ipc"], "on": ["curve"], "both": ["tcp", "curve"]}[args.curve]
+    profiles = {v: load_profile(variant_profile(base, v, keys_dir)) for v in variants}
+    profile = profiles[variants[0]]
     params = SamplingParams(**profile.sampling.model_dump())
     prompt_ids = load_tokenizer(str(paths.tokenizer)).encode(prompt).ids
 
     results = []
-    for _rep in range(args.repeats):  # alternate the two sides: load from other work hits both alike
-        with tempfile.TemporaryDirectory() as tmp:
-            run_live(profile, Path(tmp) / "run", progress=False)
-            _, records = load_run(Path(tmp) / "run")
-            outputs = json.loads((Path(tmp) / "run" / "outputs.json").read_text())
+    for _rep in range(args.repeats):  # alternate the sides: load from other work hits them alike
         ref_tokens, ref_times, ref_counts = in_process(paths, prompt_ids, args.rounds, args.draft_len, args.seed,
                                                        params, 16, threads=args.threads, device=args.device)
-        # Skip the first round of each (prefill and warm-up). The testbed's time is wall time between round
-        # starts, so planning, channel configuration and record writing (fsync) between rounds count too.
-        tb_time = records[-1]["t_start_s"] + records[-1]["measured"]["round_s"] - records[1]["t_start_s"]
-        tb_tokens = sum(r["measured"]["tokens"] for r in records[1:])
-        ip_time = sum(ref_times[1:])
-        n = len(records) - 1
-        results.append({"identical_tokens": outputs["d0"]["output_ids"] == ref_tokens,
-                        "testbed_tokens_per_s": tb_tokens / tb_time,
-                        "in_process_tokens_per_s": sum(ref_counts[1:]) / ip_time,
-                        "ratio": (tb_tokens / tb_time) / (sum(ref_counts[1:]) / ip_time),
-                        "mean_round_ms_testbed": 1000 * tb_time / n, "mean_round_ms_in_process": 1000 * ip_time / n,
-                        "overhead_ms_per_round": 1000 * (tb_time - ip_time) / n,
-                        "median_plan_ms": 1000 * float(np.median([r.get("plan_s") or 0.0 for r in records[1:]]))})
+        for variant, prof in profiles.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                run_live(prof, Path(tmp) / "run", progress=False)
+                _, records = load_run(Path(tmp) / "run")
+                outputs = json.loads((Path(tmp) / "run" / "outputs.json").read_text())
+            results.append({"transport": variant, **compare_sides(records, outputs, ref_tokens, ref_times,
+                                                                   ref_counts)})
+    shutil.rmtree(keys_dir, ignore_errors=True)
+    by_transport = {v: [r for r in results if r["transport"] == v] for v in profiles}
     result = {"pair": args.pair, "rounds": args.rounds, "draft_len": args.draft_len, "mode": args.mode,
               "repeats": results, "identical_tokens": all(r["identical_tokens"] for r in results),
-              "median_ratio": float(np.median([r["ratio"] for r in results])),
-              "median_overhead_ms_per_round": float(np.median([r["overhead_ms_per_round"] for r in results]))}
+              "transports": {v: {"median_ratio": float(np.median([r["ratio"] for r in rs])),
+                                 "median_overhead_ms_per_round": float(np.median([r["overhead_ms_per_round"]
+                                                                                  for r in rs]))}
+                             for v, rs in by_transport.items()}}
+    first = result["transports"][variants[0]]
+    result["median_ratio"], result["median_overhead_ms_per_round"] = (first["median_ratio"],
+                                                                      first["median_overhead_ms_per_round"])
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"pair {args.pair}, {args.rounds} rounds, L = {args.draft_len}, {args.mode} mode, pass-through channel")
-        print(f"  identical tokens: {result['identical_tokens']}")
-        for i, r in enumerate(results):
-            print(f"  [{i}] testbed {r['testbed_tokens_per_s']:7.1f} tok/s ({r['mean_round_ms_testbed']:.2f} ms/round, "
-                  f"planning {r['median_plan_ms']:.2f} ms)  in-process {r['in_process_tokens_per_s']:7.1f} tok/s "
-                  f"({r['mean_round_ms_in_process']:.2f} ms/round)  ratio {r['ratio']:.3f}  "
-                  f"overhead {r['overhead_ms_per_round']:.2f} ms/round")
-        print(f"  median ratio {result['median_ratio']:.3f} (target >= 0.8); median overhead "
-              f"{result['median_overhead_ms_per_round']:.2f} ms per round")
+        print_result(args, result, results)
     return 0
+
+
+def variant_profile(base: dict, variant: str, keys_dir: Path) -> dict:
+    """The live side over ipc (the default), plain loopback tcp, or CURVE on loopback tcp."""
+    if variant == "ipc":
+        return base
+    port = free_port()
+    prof = {**base, "endpoints": {"edge_bind": f"tcp://127.0.0.1:{port}"}}
+    if variant == "curve":
+        from testbed.security import generate_keys
+
+        if not (keys_dir / "server.key_secret").exists():
+            generate_keys(keys_dir, ["d0"])
+        prof["security"] = {"keys": str(keys_dir)}
+    return prof
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compare_sides(records, outputs, ref_tokens, ref_times, ref_counts) -> dict:
+    """One repetition: the testbed's rate and overhead against the in-process loop's."""
+    # Skip the first round of each (prefill and warm-up). The testbed's time is wall time between round
+    # starts, so planning, channel configuration and record writing (fsync) between rounds count too.
+    tb_time = records[-1]["t_start_s"] + records[-1]["measured"]["round_s"] - records[1]["t_start_s"]
+    tb_tokens = sum(r["measured"]["tokens"] for r in records[1:])
+    ip_time = sum(ref_times[1:])
+    n = len(records) - 1
+    return {"identical_tokens": outputs["d0"]["output_ids"] == ref_tokens,
+            "testbed_tokens_per_s": tb_tokens / tb_time,
+            "in_process_tokens_per_s": sum(ref_counts[1:]) / ip_time,
+            "ratio": (tb_tokens / tb_time) / (sum(ref_counts[1:]) / ip_time),
+            "mean_round_ms_testbed": 1000 * tb_time / n, "mean_round_ms_in_process": 1000 * ip_time / n,
+            "overhead_ms_per_round": 1000 * (tb_time - ip_time) / n,
+            "median_plan_ms": 1000 * float(np.median([r.get("plan_s") or 0.0 for r in records[1:]]))}
+
+
+def print_result(args, result: dict, results: list[dict]) -> None:
+    print(f"pair {args.pair}, {args.rounds} rounds, L = {args.draft_len}, {args.mode} mode, pass-through channel")
+    print(f"  identical tokens: {result['identical_tokens']}")
+    for i, r in enumerate(results):
+        print(f"  [{i}] {r['transport']:5s} testbed {r['testbed_tokens_per_s']:7.1f} tok/s "
+              f"({r['mean_round_ms_testbed']:.2f} ms/round, "
+              f"planning {r['median_plan_ms']:.2f} ms)  in-process {r['in_process_tokens_per_s']:7.1f} tok/s "
+              f"({r['mean_round_ms_in_process']:.2f} ms/round)  ratio {r['ratio']:.3f}  "
+              f"overhead {r['overhead_ms_per_round']:.2f} ms/round")
+    for variant, t in result["transports"].items():
+        print(f"  {variant:5s} median ratio {t['median_ratio']:.3f} (target >= 0.8); median overhead "
+              f"{t['median_overhead_ms_per_round']:.2f} ms per round")
 
 
 if __name__ == "__main__":

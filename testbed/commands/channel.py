@@ -112,11 +112,14 @@ def _validate(args) -> int:
     if args.json:
         print(json.dumps({"mode": args.mode, "lead": lead_info, "cells": [c.summary() for c in cells]}, indent=1))
     else:
-        print(f"mode {args.mode}; lead {1e3 * lead_info['lead_s']:.3f} ms + "
-              f"{1e9 * lead_info['lead_per_byte_s']:.3f} ns/byte"
-              + (" (calibrated)" if lead == "auto" else ""))
+        if args.mode == "virtual":  # nothing is held, so no transport lead applies
+            print("mode virtual; no lead (messages are forwarded at once and only annotated)")
+        else:
+            print(f"mode {args.mode}; lead {1e3 * lead_info['lead_s']:.3f} ms + "
+                  f"{1e9 * lead_info['lead_per_byte_s']:.3f} ns/byte"
+                  + (" (calibrated)" if lead == "auto" else ""))
         print(validate.format_table(cells))
-    return 0
+    return validate.exit_status(cells)  # non-zero when a measured cell misses the target
 
 
 def _serve(args) -> int:

@@ -1,63 +1,85 @@
-"""`multispin compare [PROFILE] --policies proposed,all-ul,all-dl`: the same run under several policies."""
+"""`multispin compare [PROFILE] --policies proposed,all-ul,all-dl [--repeats R]`: the same run under several
+policies, repeated, with the spread per policy and its plots."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("compare", help="run the live testbed once per policy and compare goodput",
+    from testbed.commands.run import add_profile_arguments
+
+    p = subparsers.add_parser("compare", help="run the live testbed once (or R times) per policy and compare goodput",
                               description="Same prompts, seeds and channel realizations per policy (the channel "
                                           "state is seeded per device and round). Writes one run directory per "
-                                          "policy under runs/<stamp>-compare/ and a table of measured goodput.")
-    p.add_argument("profile", nargs="?", default=None)
+                                          "policy and repeat under runs/<stamp>-compare/, a table of measured and "
+                                          "predicted goodput (mean ± std over the repeats) and plots/ with a bar "
+                                          "chart. `multispin report` on that directory shows it again.")
+    p.add_argument("profile", nargs="?", default=None, help="profile YAML or name in profiles/ (default: emulation)")
     p.add_argument("--policies", default="proposed,all-ul,all-dl", help="comma-separated policy names")
-    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per policy; repeat r uses seed + r (prompts, sampling and channel draws change), "
+                        "the policies of one repeat share it (default 1)")
+    p.add_argument("--rounds", type=int, default=None, help="override the profile's rounds")
     p.add_argument("--channel", choices=["real", "virtual", "passthrough"], default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="override the profile's seed (of the first repeat)")
     p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--quiet", action="store_true")
+    add_profile_arguments(p)
+    p.add_argument("--no-plots", action="store_true", help="skip the per-run and comparison plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bars; log warnings and errors only")
     p.set_defaults(handler=handle, policy=None)
+
+
+def run_name(policy: str, repeat: int, repeats: int) -> str:
+    """A run's folder in the compare directory: the policy (one repeat), or policy-rep<r>."""
+    return policy if repeats == 1 else f"{policy}-rep{repeat}"
 
 
 def handle(args) -> int:
     import json
 
     from testbed.cli import CliError
-    from testbed.commands.run import load
-    from testbed.core.optimizer import POLICIES
+    from testbed.commands.run import load, print_config
+    from testbed.config_override import policy_list
     from testbed.launcher import require_edge_extra, resolve_pair, run_live
-    from testbed.records import new_run_dir
+    from testbed.records import load_run, new_run_dir
+    from testbed.runs_index import aggregate, format_aggregate, plot_compare, run_info
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
-    if not policies or bad:
-        raise CliError(f"--policies: {bad or policies!r} not allowed; allowed: {', '.join(POLICIES)}")
-    base = load(args)
+    policies = policy_list(args.policies)
+    if args.repeats < 1:
+        raise CliError(f"--repeats {args.repeats}: must be >= 1")
+    base = load(args, policies)
+    if args.print_config:
+        return print_config(base)
     require_edge_extra()  # before an empty run directory is left behind
     parent = new_run_dir(args.runs_dir, "compare")
+    print(f"compare directory: {parent} ({len(policies)} policies x {args.repeats} repeat(s))")
     pair = resolve_pair(base, progress=not args.quiet)
-    rows = []
-    for policy in policies:
-        profile = base.model_copy(update={"policy": policy})
-        run_dir = parent / policy
-        print(f"== {policy}: {run_dir}")
-        s = run_live(profile, run_dir, progress=not args.quiet, pair=pair)
-        rows.append((policy, s))
-    ref = rows[0][1].get("goodput_measured_tps") or 0.0
-    lines = [f"{'policy':<20}{'rounds':>7}{'tokens':>8}{'time s':>9}{'meas tok/s':>11}{'pred tok/s':>11}"
-             f"{'vs ' + policies[0]:>14}"]
-    table = []
-    for policy, s in rows:
-        g = s.get("goodput_measured_tps") or 0.0
-        ratio = g / ref if ref else float("nan")
-        lines.append(f"{policy:<20}{s.get('rounds', 0):>7}{s.get('tokens', 0):>8}{s.get('time_s', 0):>9.2f}"
-                     f"{g:>11.2f}{(s.get('goodput_predicted_tps') or 0):>11.2f}{ratio:>14.3f}")
-        table.append({"policy": policy, "rounds": s.get("rounds"), "tokens": s.get("tokens"),
-                      "time_s": s.get("time_s"), "goodput_measured_tps": g,
-                      "goodput_predicted_tps": s.get("goodput_predicted_tps"), "ratio": ratio})
-    text = "\n".join(lines)
+    infos = []
+    # Repeat-major: the policies of one repeat run back to back, so a slow drift of the host (load, thermal)
+    # lands on every policy alike instead of on the last one.
+    for r in range(args.repeats):
+        for policy in policies:
+            profile = base.model_copy(update={"policy": policy, "seed": base.seed + r})
+            run_dir = parent / run_name(policy, r, args.repeats)
+            print(f"== {policy}" + (f", repeat {r + 1}/{args.repeats} (seed {profile.seed})" if args.repeats > 1
+                                    else "") + f": {run_dir}", flush=True)
+            run_live(profile, run_dir, progress=not args.quiet, pair=pair)
+            if not args.no_plots:
+                from testbed import report
+
+                _, records = load_run(run_dir)
+                if records:
+                    report.write_plots(records, run_dir / "plots", title=f"{parent.name}/{run_dir.name}")
+            infos.append(run_info(run_dir))
+    rows = aggregate(infos)
+    text = format_aggregate(rows, reference=policies[0])
     print(text)
     (parent / "compare.txt").write_text(text + "\n")
-    (parent / "compare.json").write_text(json.dumps(table, indent=2))
-    print(f"compare directory: {parent}")
+    (parent / "compare.json").write_text(json.dumps({"policies": policies, "repeats": args.repeats,
+                                                      "per_policy": rows,
+                                                      "runs": [i.as_dict() for i in infos]}, indent=2))
+    if not args.no_plots:
+        print("plots: " + ", ".join(str(p) for p in plot_compare(rows, Path(parent) / "plots", title=parent.name)))
+    print(f"compare directory: {parent} (multispin report {parent})")
     return 0

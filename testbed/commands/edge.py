@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from testbed.commands.run import add_resume_argument
+from testbed.commands.run import add_profile_arguments, add_resume_argument
 
 
 def register(subparsers) -> None:
@@ -21,15 +21,15 @@ def register(subparsers) -> None:
     p.add_argument("--channel", choices=["real", "virtual", "passthrough"], default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--quiet", action="store_true")
+    add_profile_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars; log warnings and errors only")
     add_resume_argument(p, "edge")
     p.set_defaults(handler=handle)
 
 
 def handle(args) -> int:
     from testbed.cli import CliError
-    from testbed.commands.run import execute, load, resume_target
+    from testbed.commands.run import check_exposed, device_wait_message, execute, load, print_config, resume_target
     from testbed.launcher import require_edge_extra
     from testbed.records import new_run_dir
 
@@ -39,15 +39,15 @@ def handle(args) -> int:
     else:
         args.profile = args.profile or "lan"
         profile, resume = load(args), None
+        if args.print_config:
+            return print_config(profile)
     bind = args.bind or profile.endpoints.edge_bind
     if not bind:
         raise CliError("no edge endpoint: pass --bind tcp://0.0.0.0:PORT or set endpoints.edge_bind")
+    check_exposed(profile, bind)  # refused before a run directory is made
     if resume is None:
         require_edge_extra()  # before an empty run directory is left behind
         run_dir = new_run_dir(args.runs_dir, f"edge-{profile.policy}")
-    connect = profile.endpoints.channel_frontend if profile.channel.mode != "passthrough" else bind
-    print(f"edge at {bind}; devices connect to {connect} (replace 0.0.0.0 by this host's address); "
-          f"waiting up to {profile.wait_for_devices_s:.0f} s for {', '.join(profile.device_names())}"
-          + (f"; resuming {run_dir} at round {resume.start_round}" if resume else ""))
-    # Binding beyond the loopback needs keys or `security: insecure` (checked before any socket opens).
+    print(f"edge at {bind}; " + device_wait_message(profile, bind)
+          + (f"; resuming {run_dir} at round {resume.start_round}" if resume else ""), flush=True)
     return execute(args, profile, run_dir, start_devices=False, bind=bind, resume=resume)

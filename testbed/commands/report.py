@@ -7,7 +7,10 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="summarise a run directory (measured vs predicted) and plot it")
-    p.add_argument("run_dir", help="a directory written by `multispin run`")
+    p.add_argument("run_dir", help="a directory written by `multispin run` (or `compare`: its runs side by side)")
+    from testbed.commands.runs import add_report_arguments
+
+    add_report_arguments(p)  # RUN_DIR ... side by side, --csv, --parquet (testbed/commands/runs.py)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(handler=handle)
@@ -18,8 +21,11 @@ def handle(args) -> int:
 
     from testbed import report
     from testbed.cli import CliError
+    from testbed.commands.runs import report_many, wants_many
     from testbed.records import load_run
 
+    if wants_many(args):
+        return report_many(args)
     run_dir = Path(args.run_dir)
     try:
         meta, records = load_run(run_dir)
@@ -35,7 +41,9 @@ def handle(args) -> int:
         print(f"{run_dir} (status {status}, git {meta.get('git_revision')})")
         print(report.format_summary(summary))
     if not args.no_plots:
-        paths = report.write_plots(records, run_dir / "plots")
+        from testbed.runs_index import plot_title
+
+        paths = report.write_plots(records, run_dir / "plots", title=plot_title(run_dir))
         if not args.json:
             print("plots: " + ", ".join(str(p) for p in paths))
     return 0

@@ -119,8 +119,16 @@ def verify_time(sc: Scenario, draft_lens):
     """T_ver = t0 + t1 sum_k (L_k + 1) (ragged) or t0 + t1 N (max_k L_k + 1) (padded); last axis = devices."""
     L = np.asarray(draft_lens, dtype=float)
     if sc.verify_batch == "ragged":
-        return sc.verify_t0_s + sc.verify_t1_s * (L + 1.0).sum(axis=-1)
-    return sc.verify_t0_s + sc.verify_t1_s * L.shape[-1] * (L.max(axis=-1) + 1.0)
+        return verify_time_of(sc, (L + 1.0).sum(axis=-1), None, L.shape[-1])
+    return verify_time_of(sc, None, L.max(axis=-1), L.shape[-1])
+
+
+def verify_time_of(sc: Scenario, positions, longest, num_devices: int):
+    """`verify_time` from its two statistics: positions = sum_k (L_k + 1) (ragged) or longest = max_k L_k
+    (padded); the same arithmetic, so the same numbers."""
+    if sc.verify_batch == "ragged":
+        return sc.verify_t0_s + sc.verify_t1_s * np.asarray(positions, dtype=float)
+    return sc.verify_t0_s + sc.verify_t1_s * num_devices * (np.asarray(longest, dtype=float) + 1.0)
 
 
 # ---------------------------------------------------------------- radio
@@ -172,7 +180,7 @@ def _ul_phase(sc, ul_mode, L, acc, gains, bws, pmax, budgets, t, ul_powers=None,
     else:
         p = np.asarray(ul_powers, float) * np.ones_like(first)
     r = radio.shannon_rate_bps(bws, p, gains, sc.noise_psd_w_hz)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # r = 0: no power within an energy budget
         tx = np.where(first > 0, first / r, 0.0)
         post_tx = np.where(post > 0, post / r, 0.0)
     lazy = sc.ul_protocol == "lazy"

@@ -7,6 +7,15 @@ all-UL, all-DL (optimal or equal DL power), random modes, one common length, a f
 exhaustive search. `plan()` is the entry point; scoring is batched over many candidate schedules at once
 (numpy), and the chosen schedule is re-evaluated with `model.evaluate` so a plan's numbers are exactly
 the model's.
+
+Cost (issue 12). A greedy step scores N single increments and up to N fill rows. The increments are
+scored from one sorted base row (`Scorer.prefix_neighbors`, `Scorer.fixed_neighbors`): no sort per
+candidate, O(1) corrections of the base row's prefix and suffix statistics, and the round time only at
+the few K that lower bounds leave open. A fill row is scored only if an upper bound of its goodput
+(`_score_bounded`) can beat the step's best. The DL solve runs only where it can decide a best K or a best
+row (bounds from channel inversion, best first). None of this changes a decision: the same steps as
+scoring every row in full (tests/test_optimizer.py checks both ways). A plan with no finite round time
+raises InfeasiblePlanError.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from testbed.core import model, radio
-from testbed.core.power import solve_x
+from testbed.core.power import LN2, solve_x
 from testbed.core.scenario import Scenario
 
 POLICIES = {
@@ -40,176 +49,776 @@ class OptimizerError(ValueError):
     """A request the optimizer refuses (unknown policy, problem too big for exhaustive search)."""
 
 
+class InfeasiblePlanError(OptimizerError):
+    """No schedule the policy may choose has a finite round time: some device cannot upload at all (its
+    energy budget is below the least energy of its smallest upload, in every mode the policy allows)."""
+
+
 # ---------------------------------------------------------------- batched scoring
 
+_GROUP_VALUES = 16  # at most this many distinct DL payloads: the DL solve runs on per-payload weight sums
+# Below this many devices (or fill rows) one batched call over every row costs less than the incremental
+# and bounded paths' extra numpy calls; the results are the same either way.
+_INCREMENTAL_MIN_N = 48
+_BOUNDED_MIN_ROWS = 32
+_BEST_FIRST_MIN = 64  # fewer open (row, K) pairs than this are solved in one call
+_ASYNC_CHUNK = 4_000_000  # asynchronous rounds score (rows, K, devices) arrays: this many entries at a time
+
+
 class Scorer:
-    """Scores many schedules of one scenario at once. L arrays are (C, N) integers in 1..L_max."""
+    """Scores many schedules of one scenario at once. L arrays are (C, N) integers in 1..L_max.
+
+    Every per-device table (model.device_tables) is flattened to one entry per (device, length) and, for
+    the prefix search, also laid out in the order of the prefix key (ties by device index, as a stable
+    sort of each row would give). Sorting a candidate's devices by that key is then a sort of small
+    integers (their global ranks) instead of an argsort of floats, and every sorted quantity is one
+    gather by rank."""
 
     def __init__(self, sc: Scenario):
         self.sc = sc
-        self.tb = model.device_tables(sc)
-        self.n = sc.num_devices
-        self.inv_g = 1.0 / self.tb.gains
+        self.tb = tb = model.device_tables(sc)
+        self.n = n = sc.num_devices
+        self.lmax = lmax = sc.max_draft_len
+        self.inv_g = 1.0 / tb.gains
         self.n0 = sc.noise_psd_w_hz
         if sc.dl_access == "tdma":
             self.tdma_rate = radio.shannon_rate_bps(sc.downlink_bandwidth_hz, sc.downlink_power_w,
-                                                    self.tb.gains, self.n0)
+                                                    tb.gains, self.n0)
         self.evaluations = 0
-
-    def _parts(self, L):
-        tb = self.tb
-        rows = np.arange(self.n)[None, :]
-        idx = L - 1
-        return dict(E=tb.expected_tokens[rows, idx], up_u=tb.up_ul[rows, idx], up_d=tb.up_dl[rows, idx],
-                    post_u=tb.post_ul[rows, idx], S=tb.dl_bits[rows, idx],
-                    t_ver=model.verify_time(self.sc, L))
+        self.sync = sc.rounds == "synchronous"
+        self.t_over = sc.round_overhead_s
+        # flat tables: entry j * lmax + (L - 1)
+        self.offset = (np.arange(n) * lmax)[None, :]
+        inv_g_tab = np.repeat(self.inv_g[:, None], lmax, axis=1)
+        flat = dict(E=tb.expected_tokens, up_u=tb.up_ul, up_d=tb.up_dl, post_u=tb.post_ul, S=tb.dl_bits,
+                    inv_g=inv_g_tab)
+        self.flat = {k: np.ascontiguousarray(v, dtype=float).ravel() for k, v in flat.items()}
+        # distinct DL payloads: group the DL solve by payload value when there are few
+        self.values, vidx = np.unique(self.flat["S"], return_inverse=True)
+        self.nv = self.values.size
+        self.grouped = self.nv <= _GROUP_VALUES
+        self.flat["vidx"] = vidx.ravel()
+        # the prefix key: the cost UL mode adds (eager: the UL-mode uplink; lazy: the post-verification time)
+        self.key_is_up = sc.ul_protocol == "eager"
+        key = self.flat["up_u"] if self.key_is_up else self.flat["post_u"]
+        dev = np.repeat(np.arange(n), lmax)
+        order = np.lexsort((np.tile(np.arange(lmax), n), dev, key))
+        self.rank = np.empty(n * lmax, np.int32)
+        self.rank[order] = np.arange(n * lmax, dtype=np.int32)
+        self.by_rank = {k: v[order] for k, v in self.flat.items()}
+        self.by_rank["dev"] = dev[order]
+        if sc.dl_access == "tdma":
+            self.by_rank["t_tdma"] = self.by_rank["S"] / self.tdma_rate[self.by_rank["dev"]]
+        self.by_rank["inv_gS"] = self.by_rank["inv_g"] * self.by_rank["S"]
+        post = tb.post_ul
+        self.post_const = float(post.flat[0]) if np.all(post == post.flat[0]) else None
+        # the prefix maxima that a sorted row gives for free
+        self.up_sorted = self.key_is_up
+        self.post_sorted = not self.key_is_up
+        k = np.arange(n + 1)
+        self.nd = n - k
+        self.w = self._bandwidth(self.nd)  # (n+1,) band per DL device for K = 0..n
+        self.R = sc.downlink_power_w / (self.n0 * self.w)
+        # Every table grows with L (the model's payloads and times do): then a candidate's key only rises
+        # when its length does (incremental neighbours), and a schedule's best round time only grows with
+        # its lengths (the greedy's fill rows can be bounded). Checked, not assumed.
+        grows = all(bool(np.all(t[:, 1:] >= t[:, :-1])) for t in (tb.up_ul, tb.up_dl, tb.post_ul, tb.dl_bits))
+        self.monotone = grows and bool(np.all(np.diff(self.rank.reshape(n, lmax), axis=1) > 0))
+        self.incremental = self.monotone and self.sync
+        # The greedy's bound on fill rows needs the prefix search to be exact over all 2^N mode vectors.
+        # Eager (docs/system-model.md, section 7): moving every device whose UL-mode uplink fits under the
+        # uplink phase into UL mode keeps that phase and only shrinks the DL set. Lazy (key: the time
+        # after verification): the same move keeps the post-verification phase, and keeps the uplink
+        # phase if no device's UL-mode uplink exceeds its DL-mode one, which is checked here (it fails
+        # with dl_protocol all_positions, or an energy budget that lowers the UL-mode power).
+        self.prefix_exact = self.incremental and (sc.ul_protocol == "eager" or bool(np.all(tb.up_ul <= tb.up_dl)))
 
     def _bandwidth(self, num_dl):
         return model.dl_bandwidth_split(self.sc.dl_access, self.sc.downlink_bandwidth_hz, num_dl, self.n)
 
+    def _index(self, L):
+        """Flat table index of each (candidate, device) entry."""
+        return self.offset + (np.asarray(L) - 1)
+
     def _goodput(self, E, up_k, post_k, t_ver, T_sync):
         """Sync: sum E / T. Async: sum_k E_k / T_k with T_k the device's own cycle."""
-        sc = self.sc
-        if sc.rounds == "synchronous":
+        if self.sync:
             return E.sum(-1) / T_sync
-        Tk = up_k + t_ver[..., None] + post_k + sc.round_overhead_s
+        Tk = up_k + t_ver[..., None] + post_k + self.t_over
         return (E / Tk).sum(-1)
 
     # -- fixed modes
-    def fixed(self, L, ul, equal_power: bool = False):
-        """Goodput for given modes ul (C, N) bool; returns (G, T)."""
-        sc, p = self.sc, self._parts(L)
+    def fixed(self, L, ul, equal_power: bool = False, floor: float | None = None):
+        """Goodput for given modes ul (C, N) bool; returns (G, T).
+
+        floor (synchronous rounds): rows whose goodput provably stays below it are not solved exactly and
+        get G = -inf and a lower bound of T (channel inversion with the 1/g-weighted mean payload bounds
+        the DL phase from below)."""
+        sc, f = self.sc, self.flat
+        L = np.asarray(L)
+        ul = np.asarray(ul, bool)
+        idx = self._index(L)
         self.evaluations += L.shape[0]
         dl = ~ul
         nd = dl.sum(-1)
-        up_k = np.where(ul, p["up_u"], p["up_d"])
+        E, S = f["E"][idx], f["S"][idx]
+        up_k = np.where(ul, f["up_u"][idx], f["up_d"][idx])
+        t_ver = model.verify_time(sc, L)
         w = self._bandwidth(nd)
+        own = None
         if sc.dl_access == "tdma":
-            tau = (np.where(dl, p["S"] / self.tdma_rate, 0.0)).sum(-1)
+            tau = np.where(dl, S / self.tdma_rate, 0.0).sum(-1)
         elif equal_power:
             pw = sc.downlink_power_w / np.maximum(nd, 1)
             r = radio.shannon_rate_bps(w[:, None], pw[:, None], self.tb.gains[None, :], self.n0)
-            own = np.where(dl, p["S"] / r, 0.0)  # unequal latencies: each device has its own
+            with np.errstate(divide="ignore"):
+                own = np.where(dl, S / r, 0.0)  # unequal latencies: each device has its own
             tau = own.max(-1)
         else:
             wts = np.where(dl, self.inv_g, 0.0)
-            values = np.unique(p["S"])
-            if values.size <= 16:  # group the DL set by payload value: (C, nv) instead of (C, N)
-                x = solve_x(np.einsum("cn,cnv->cv", wts, p["S"][..., None] == values), values,
-                            sc.downlink_power_w / (self.n0 * w))
+            R = sc.downlink_power_w / (self.n0 * w)
+            keep = slice(None)
+            if floor is not None and self.sync and self.nv > 1:
+                wsum = wts.sum(-1)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    tau = np.where(nd > 0, (wts * S).sum(-1) / wsum / (w * np.log1p(R / wsum) / LN2), 0.0)
+                T_lo = (up_k.max(-1) + t_ver + np.where(ul, f["post_u"][idx], tau[:, None]).max(-1)
+                        + self.t_over)
+                hopeless = E.sum(-1) / T_lo * (1 + 1e-9) < floor
+                keep = ~hopeless
             else:
-                x = solve_x(wts, p["S"], sc.downlink_power_w / (self.n0 * w))
-            tau = np.where(nd > 0, 1.0 / (w * x), 0.0)
-        post_k = np.where(ul, p["post_u"], own if equal_power and sc.dl_access != "tdma" else tau[:, None])
-        T = up_k.max(-1) + p["t_ver"] + post_k.max(-1) + sc.round_overhead_s
-        return self._goodput(p["E"], up_k, post_k, p["t_ver"], T), T
+                tau = np.zeros(L.shape[0])
+            if self.grouped:
+                x = solve_x(self._group(wts[keep], f["vidx"][idx][keep]), self.values, R[keep])
+            else:
+                x = solve_x(wts[keep], S[keep], R[keep])
+            with np.errstate(divide="ignore"):
+                tau[keep] = np.where(nd[keep] > 0, 1.0 / (w[keep] * x), 0.0)
+        post_k = np.where(ul, f["post_u"][idx], own if own is not None else tau[:, None])
+        T = up_k.max(-1) + t_ver + post_k.max(-1) + self.t_over
+        G = self._goodput(E, up_k, post_k, t_ver, T)
+        if floor is not None and own is None and sc.dl_access != "tdma" and self.sync and self.nv > 1:
+            G[hopeless] = -np.inf
+        return G, T
+
+    def _group(self, wts, vidx):
+        """Per-row sums of wts by payload value: (C, N) -> (C, nv)."""
+        C = wts.shape[0]
+        bins = (np.arange(C)[:, None] * self.nv + vidx).ravel()
+        return np.bincount(bins, wts.ravel(), minlength=C * self.nv).reshape(C, self.nv)
 
     # -- the prefix search (spec section 7)
-    def prefix(self, L):
-        """Best prefix K per row. Returns (G, T, ul mask) for the best K of each row."""
-        sc, p = self.sc, self._parts(L)
+    def prefix(self, L, floor: float | None = None):
+        """Best prefix K per row. Returns (G, T, ul mask) for the best K of each row.
+
+        floor (synchronous rounds): rows whose goodput provably stays below it skip the exact DL solves
+        and get G = -inf (their T and modes are then those of an upper bound)."""
+        sc, br = self.sc, self.by_rank
+        L = np.asarray(L)
         C, n = L.shape
+        if not self.sync and C > 1 and C * (n + 1) * n > _ASYNC_CHUNK:
+            step = max(1, _ASYNC_CHUNK // ((n + 1) * n))
+            parts = [self.prefix(L[a:a + step], floor) for a in range(0, C, step)]
+            return tuple(np.concatenate(x) for x in zip(*parts))
         self.evaluations += C
-        # The cost a device's UL mode adds: its uplink (eager), or the second uplink after verification
-        # (lazy; its first uplink is no longer than in DL mode). Some optimal UL set is a prefix of it.
-        key = p["up_u"] if sc.ul_protocol == "eager" else p["post_u"]
-        order = np.argsort(key, axis=1, kind="stable")
-        srt = {k: np.take_along_axis(v, order, axis=1) for k, v in p.items() if k != "t_ver"}
-        zero = np.zeros((C, 1))
-        pre_up_u = np.concatenate([zero, np.maximum.accumulate(srt["up_u"], axis=1)], axis=1)
-        pre_post_u = np.concatenate([zero, np.maximum.accumulate(srt["post_u"], axis=1)], axis=1)
-        suf_up_d = np.concatenate([np.maximum.accumulate(srt["up_d"][:, ::-1], axis=1)[:, ::-1], zero], 1)
-        K = np.arange(n + 1)
-        nd = n - K
-        inv_g = self.inv_g[order]
-        up = np.maximum(pre_up_u, suf_up_d)
-        base_T = up + p["t_ver"][:, None] + sc.round_overhead_s  # (C, n+1) without the DL phase
+        # Sort each row's devices by the key: sort their global ranks (small integers).
+        idx = self._index(L)
+        r = self.rank[idx]
+        r.sort(axis=1)
+        E_sum = self.flat["E"][idx].sum(-1)
+        t_ver = model.verify_time(sc, L)
+        up_u, up_d = br["up_u"][r], br["up_d"][r]
+        # K = 0..n: the first K sorted devices go UL. Prefix maxima of UL-mode times, suffix maxima of
+        # the DL-mode uplinks. The key's own prefix maximum is the sorted row itself.
+        pre_up = np.zeros((C, n + 1))
+        pre_up[:, 1:] = up_u if self.up_sorted else np.maximum.accumulate(up_u, axis=1)
+        if self.post_const is not None:
+            pre_post = np.full(n + 1, self.post_const)
+            pre_post[0] = 0.0
+            pre_post = np.broadcast_to(pre_post, (C, n + 1))
+        else:
+            pre_post = np.zeros((C, n + 1))
+            post = br["post_u"][r]
+            pre_post[:, 1:] = post if self.post_sorted else np.maximum.accumulate(post, axis=1)
+        suf_up_d = np.zeros((C, n + 1))
+        suf_up_d[:, :n] = np.maximum.accumulate(up_d[:, ::-1], axis=1)[:, ::-1]
+        base_T = np.maximum(pre_up, suf_up_d) + t_ver[:, None] + self.t_over  # (C, n+1) without the DL phase
         if sc.dl_access == "tdma":
-            t = srt["S"] / self.tdma_rate[order]
-            tau = np.concatenate([np.cumsum(t[:, ::-1], axis=1)[:, ::-1], zero], axis=1)
+            tau = np.zeros((C, n + 1))
+            tau[:, :n] = np.cumsum(br["t_tdma"][r][:, ::-1], axis=1)[:, ::-1]
+        elif self.sync:
+            t_cap = None if floor is None else E_sum / floor * (1 + 1e-9)
+            tau, hopeless = self._tau_bracketed(r, base_T, pre_post, t_cap)
         else:
-            w = self._bandwidth(nd)  # (n+1,)
-            R = sc.downlink_power_w / (self.n0 * w)
-            if sc.rounds == "synchronous":
-                tau = self._tau_bracketed(srt["S"], inv_g, w, R, base_T, pre_post_u)
-            else:
-                tau = self._tau_all(srt["S"], inv_g, w, R)
-        T = base_T + np.maximum(pre_post_u, tau)  # (C, n+1)
-        if sc.rounds == "synchronous":
-            G = p["E"].sum(-1)[:, None] / T
+            tau = self._tau_all(r)
+        T = base_T + np.maximum(pre_post, tau)  # (C, n+1)
+        if self.sync:
+            G = E_sum[:, None] / T
+            if floor is not None and sc.dl_access != "tdma" and hopeless is not None:
+                G[hopeless] = -np.inf
         else:
+            K = np.arange(n + 1)
             is_ul = np.arange(n)[None, :] < K[:, None]  # (n+1, n) in sorted order
-            up_k = np.where(is_ul[None], srt["up_u"][:, None, :], srt["up_d"][:, None, :])
-            post_k = np.where(is_ul[None], srt["post_u"][:, None, :], tau[..., None])
-            Tk = up_k + p["t_ver"][:, None, None] + post_k + sc.round_overhead_s
-            G = (srt["E"][:, None, :] / Tk).sum(-1)
+            up_k = np.where(is_ul[None], up_u[:, None, :], up_d[:, None, :])
+            post_k = np.where(is_ul[None], br["post_u"][r][:, None, :], tau[..., None])
+            Tk = up_k + t_ver[:, None, None] + post_k + self.t_over
+            G = (br["E"][r][:, None, :] / Tk).sum(-1)
         best = np.argmax(G, axis=1)
         rows = np.arange(C)
-        ul_sorted = np.arange(n)[None, :] < best[:, None]
         ul = np.zeros((C, n), bool)
-        np.put_along_axis(ul, order, ul_sorted, axis=1)
+        ul[rows[:, None], br["dev"][r]] = np.arange(n)[None, :] < best[:, None]
         return G[rows, best], T[rows, best], ul
 
+    def _suffix_sum(self, v):
+        out = np.zeros((v.shape[0], v.shape[1] + 1))
+        out[:, :-1] = np.cumsum(v[:, ::-1], axis=1)[:, ::-1]
+        return out
 
-    def _tau_all(self, S, inv_g, w, R):
-        """Exact optimal-power DL phase for every suffix DL set (rows: candidates, columns: K)."""
-        C, n = S.shape
-        nd = n - np.arange(n + 1)
-        values = np.unique(S)
-        R = np.broadcast_to(R, (C, n + 1))
-        if values.size <= 16:  # few distinct payloads: suffix sums per payload value, O(C N nv)
-            onehot = (S[..., None] == values) * inv_g[..., None]  # (C, n, nv)
-            wts = np.concatenate([np.cumsum(onehot[:, ::-1], axis=1)[:, ::-1],
-                                  np.zeros((C, 1, values.size))], axis=1)
-            x = solve_x(wts, values, R)
-        else:  # general: one masked row per K, O(C N^2)
-            mask = np.arange(n)[None, :] >= np.arange(n + 1)[:, None]  # device j is DL when j >= K
-            wts = np.where(mask[None], inv_g[:, None, :], 0.0)
-            x = solve_x(wts, np.broadcast_to(S[:, None, :], wts.shape), R)
+    def _exact_tau(self, r, rows, ks):
+        """Exact optimal-power DL phase of the DL sets (sorted positions >= ks) of the given rows."""
+        br, n = self.by_rank, self.n
+        rr = r[rows]
+        wts = np.where(np.arange(n)[None, :] >= ks[:, None], br["inv_g"][rr], 0.0)
+        if self.grouped:
+            x = solve_x(self._group(wts, br["vidx"][rr]), self.values, self.R[ks])
+        else:
+            x = solve_x(wts, br["S"][rr], self.R[ks])
         with np.errstate(divide="ignore"):
-            return np.where(nd[None, :] > 0, 1.0 / (w[None, :] * x), 0.0)
+            return np.where(self.nd[ks] > 0, 1.0 / (self.w[ks] * x), 0.0)
 
-    def _tau_bracketed(self, S, inv_g, w, R, base_T, pre_post):
+    def _tau_all(self, r):
+        """Exact optimal-power DL phase for every suffix DL set (rows: candidates, columns: K)."""
+        br = self.by_rank
+        C, n = r.shape
+        if self.grouped:  # suffix sums per payload value, O(C N nv)
+            onehot = np.zeros((C, n + 1, self.nv))
+            onehot[np.arange(C)[:, None], np.arange(n)[None, :], br["vidx"][r]] = br["inv_g"][r]
+            x = solve_x(np.cumsum(onehot[:, ::-1], axis=1)[:, ::-1], self.values, self.R)
+            with np.errstate(divide="ignore"):
+                return np.where(self.nd > 0, 1.0 / (self.w * x), 0.0)
+        rows = np.repeat(np.arange(C), n + 1)
+        ks = np.tile(np.arange(n + 1), C)
+        return self._exact_tau(r, rows, ks).reshape(C, n + 1)
+
+    def _tau_bracketed(self, r, base_T, pre_post, t_cap=None):
         """The DL phase where it decides the best K (synchronous rounds), exactly; elsewhere a bound.
 
-        With payloads in [S_min, S_max] over a DL set, channel inversion with S_min (S_max) bounds tau
-        from below (above). Only the K whose lower-bound round time beats the best upper bound can be
-        optimal; the exact solver runs on those alone. With equal payloads the bounds coincide."""
-        C, n = S.shape
-        nd = n - np.arange(n + 1)
-        inf = np.full((C, 1), np.inf)
-        suf_inv = np.concatenate([np.cumsum(inv_g[:, ::-1], axis=1)[:, ::-1], np.zeros((C, 1))], axis=1)
-        s_min = np.concatenate([np.minimum.accumulate(S[:, ::-1], axis=1)[:, ::-1], inf], axis=1)
-        s_max = np.concatenate([np.maximum.accumulate(S[:, ::-1], axis=1)[:, ::-1], -inf], axis=1)
+        Channel inversion with the largest payload of a DL set bounds tau from above, and with the
+        payloads' mean weighted by 1/g from below (Jensen: 2^(S x) is convex in S). Only the K whose
+        lower-bound round time beats the best upper bound, and whose DL phase matters there, can be
+        optimal; the exact solver runs on those alone. With equal payloads the bounds coincide.
+        Rows whose round time cannot get below t_cap (C,) skip the solves: returned as `hopeless`."""
+        br, n = self.by_rank, self.n
+        C = r.shape[0]
+        suf_inv = self._suffix_sum(br["inv_g"][r])
+        last = self.nd > 0
         with np.errstate(divide="ignore", invalid="ignore"):
-            rate_per_bit = w[None, :] * np.log2(1.0 + R[None, :] / suf_inv)  # W log2(1 + R / sum 1/g)
-            lo = np.where(nd[None, :] > 0, s_min / rate_per_bit, 0.0)
-            hi = np.where(nd[None, :] > 0, s_max / rate_per_bit, 0.0)
+            # W log2(1 + R / sum 1/g): the rate per payload bit of channel inversion
+            rate_per_bit = self.w * (np.log1p(self.R / suf_inv) / LN2)
+            if self.nv == 1:
+                return np.where(last, self.values[0] / rate_per_bit, 0.0), None
+            s_mean = self._suffix_sum(br["inv_gS"][r]) / suf_inv
+            s_max = np.zeros((C, n + 1))
+            s_max[:, :n] = np.maximum.accumulate(br["S"][r][:, ::-1], axis=1)[:, ::-1]
+            lo = np.where(last, s_mean / rate_per_bit, 0.0)
+            hi = np.where(last, s_max / rate_per_bit, 0.0)
         T_lo = base_T + np.maximum(pre_post, lo)
         T_hi = base_T + np.maximum(pre_post, hi)
-        need = (T_lo <= T_hi.min(axis=1, keepdims=True)) & (hi > lo) & (nd[None, :] > 0)
-        tau = lo.copy()
-        tau[~need] = hi[~need]  # exact where lo == hi; a valid upper bound elsewhere
-        rows, ks = np.nonzero(need)
+        bound = T_hi.min(axis=1)
+        hopeless = None
+        if t_cap is not None:
+            hopeless = T_lo.min(axis=1) > t_cap
+            bound[hopeless] = -np.inf  # no candidate pair in these rows
+        rows, ks = np.nonzero((T_lo < T_hi) & (T_lo <= bound[:, None]))
+        tau = hi
+        if rows.size:  # a second lower bound on the open pairs: no device's DL time beats all the power
+            rr = r[rows]
+            single = self._single_bound(br["S"][rr], br["inv_g"][rr], np.arange(n)[None, :] >= ks[:, None], ks)
+            t_lo = base_T[rows, ks] + np.maximum(pre_post[rows, ks], np.maximum(lo[rows, ks], single))
+            keep = t_lo <= bound[rows]
+            rows, ks, t_lo = rows[keep], ks[keep], t_lo[keep]
         if rows.size:
-            mask = np.arange(n)[None, :] >= ks[:, None]
-            x = solve_x(np.where(mask, inv_g[rows], 0.0), S[rows], R[ks])
-            tau[rows, ks] = 1.0 / (w[ks] * x)
-        return tau
+            def exact(idx):
+                rr, kk = rows[idx], ks[idx]
+                tau[rr, kk] = t = self._exact_tau(r, rr, kk)
+                return base_T[rr, kk] + np.maximum(pre_post[rr, kk], t)
+            _best_first(rows, t_lo, bound, exact)
+        return tau, hopeless
+
+    def _single_bound(self, s, inv_g, mask, K):
+        """max over the DL set (mask) of S_j / (W log2(1 + R / (1/g_j))): each device's DL time with the whole
+        power, a lower bound of the set's DL phase that is tight when one device dominates it."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_bit = self.w[K][:, None] * (np.log1p(self.R[K][:, None] / inv_g) / LN2)
+            return np.where(mask, s / per_bit, 0.0).max(axis=1, initial=0.0)
+
+    # -- the greedy's candidates: single increments of one schedule, evaluated incrementally
+
+    @staticmethod
+    def _top2(a):
+        """Prefix maximum and prefix second maximum (with multiplicity) of a non-negative 1-D array, as
+        (n+1,) vectors over the prefix length (0 for an empty prefix). The maximum over a prefix without
+        position i is then: the second maximum where a[i] is the maximum, else the maximum."""
+        m1 = np.zeros(a.size + 1)
+        m1[1:] = np.maximum.accumulate(a)
+        m2 = np.zeros(a.size + 1)
+        m2[1:] = np.maximum.accumulate(np.minimum(a, m1[:-1]))
+        return m1, m2
+
+    @classmethod
+    def _top2_suffix(cls, a):
+        m1, m2 = cls._top2(a[::-1])
+        return m1[::-1], m2[::-1]
+
+    @staticmethod
+    def _shift(v):
+        """v[K + 1] as a vector over K (the last entry repeats; it is never used)."""
+        return np.concatenate([v[1:], v[-1:]])
+
+    def _verify_raised(self, L0, ks):
+        """model.verify_time of L0 + e_k for each k, from its sum and maximum (no (C, N) array)."""
+        positions = float((L0 + 1).sum() + 1)
+        longest = np.maximum(L0.max(), L0[ks] + 1)
+        return np.broadcast_to(model.verify_time_of(self.sc, positions, longest, self.n), ks.shape)
+
+    def _base_row(self, L0):
+        """One schedule's sorted row and its prefix / suffix statistics over K = 0..N (`prefix_neighbors`)."""
+        br, n = self.by_rank, self.n
+        b = {}
+        r0 = np.sort(self.rank[self.offset[0] + L0 - 1])
+        pos0 = np.empty(n, np.intp)
+        pos0[br["dev"][r0]] = np.arange(n)
+        b["r0"], b["pos0"] = r0, pos0
+        for k in ("up_u", "up_d", "post_u", "S", "inv_g"):
+            b[k] = br[k][r0]
+        b["PU1"], b["PU2"] = self._top2(b["up_u"])
+        b["PP1"], b["PP2"] = self._top2(b["post_u"])
+        b["SD1"], b["SD2"] = self._top2_suffix(b["up_d"])
+        b["t_ver"] = float(model.verify_time(self.sc, L0))
+        if self.sc.dl_access == "tdma":
+            b["t"] = br["t_tdma"][r0]
+            b["TD"] = self._suffix_sum(b["t"][None])[0]
+            lo = hi = b["TD"]
+        else:
+            b["SV"] = self._suffix_sum(b["inv_g"][None])[0]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                b["RPB"] = self.w * (np.log1p(self.R / b["SV"]) / LN2)
+                if self.nv == 1:
+                    lo = hi = np.where(self.nd > 0, self.values[0] / b["RPB"], 0.0)
+                else:
+                    b["SVS"] = self._suffix_sum((b["inv_g"] * b["S"])[None])[0]
+                    b["SM1"], b["SM2"] = self._top2_suffix(b["S"])
+                    lo = np.where(self.nd > 0, b["SVS"] / b["SV"] / b["RPB"], 0.0)
+                    hi = np.where(self.nd > 0, b["SM1"] / b["RPB"], 0.0)
+                    if self.grouped:
+                        onehot = np.zeros((n + 1, self.nv))
+                        onehot[np.arange(n), br["vidx"][r0]] = b["inv_g"]
+                        b["Wv"] = np.cumsum(onehot[::-1], axis=0)[::-1]  # per-value suffix sums, last row 0
+                        b["vidx"] = br["vidx"][r0]
+        # Lower bounds of the round time of the base schedule's prefix sets (A, C below) and of a prefix set
+        # of K + 1 without one device (B): second maxima bound a maximum without one entry, and the DL set
+        # then contains the base one of K + 1, whose DL phase is at least its lower bound.
+        up = np.maximum(b["PU1"], b["SD1"]) + b["t_ver"] + self.t_over
+        b["LBA"] = up + np.maximum(b["PP1"], lo)
+        b["TBhi"] = up + np.maximum(b["PP1"], hi)
+        lbb = np.full(n + 1, np.inf)
+        lbb[:n] = (np.maximum(b["PU2"][1:], b["SD1"][1:]) + b["t_ver"] + self.t_over
+                   + np.maximum(b["PP2"][1:], lo[1:]))
+        b["LBB"] = lbb
+        for key in ("LBA", "LBB"):
+            order = np.argsort(b[key], kind="stable")
+            b[key + "_order"], b[key + "_sorted"] = order, b[key][order]
+        return b
+
+    def _pairs_T(self, b, cand, c, K):
+        """Round time bounds (T_lo, T_hi) of candidate rows c at prefix sizes K, with the parts the exact
+        DL solve needs. Three cases by where K falls relative to k's old (i) and new (j) sorted position."""
+        f, n = self.flat, self.n
+        i, j, new = cand["i"][c], cand["j"][c], cand["new"][c]
+        A = K <= i
+        B = ~A & (K <= j)
+        K1 = np.minimum(K + 1, n)
+
+        def excl(m1, m2, at, a):
+            return np.where(a[i] == m1[at], m2[at], m1[at])
+
+        pre_up = np.where(A, b["PU1"][K], np.where(B, excl(b["PU1"], b["PU2"], K1, b["up_u"]),
+                                                   np.maximum(excl(b["PU1"], b["PU2"], K, b["up_u"]),
+                                                              f["up_u"][new])))
+        pre_post = np.where(A, b["PP1"][K], np.where(B, excl(b["PP1"], b["PP2"], K1, b["post_u"]),
+                                                     np.maximum(excl(b["PP1"], b["PP2"], K, b["post_u"]),
+                                                                f["post_u"][new])))
+        ad_new = f["up_d"][new]
+        suf_d = np.where(A, np.maximum(excl(b["SD1"], b["SD2"], K, b["up_d"]), ad_new),
+                         np.where(B, np.maximum(b["SD1"][K1], ad_new), b["SD1"][K]))
+        base_T = np.maximum(pre_up, suf_d) + cand["t_ver"][c] + self.t_over
+        last = self.nd[K] > 0
+        parts = dict(A=A, B=B, K=K, K1=K1, c=c, base_T=base_T, pre_post=pre_post, last=last)
+        if self.sc.dl_access == "tdma":
+            t_new = f["S"][new] / self.tdma_rate[cand["k"][c]]
+            tau = np.where(A, b["TD"][K] - b["t"][i] + t_new, np.where(B, b["TD"][K1] + t_new, b["TD"][K]))
+            T = base_T + np.maximum(pre_post, tau)
+            return T, T, parts
+        vk = self.inv_g[cand["k"][c]]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rpb = np.where(B, self.w[K] * (np.log1p(self.R[K] / (b["SV"][K1] + vk)) / LN2), b["RPB"][K])
+            if self.nv == 1:
+                tau = np.where(last, self.values[0] / rpb, 0.0)
+                T = base_T + np.maximum(pre_post, tau)
+                return T, T, parts
+            s_new = f["S"][new]
+            num = np.where(A, b["SVS"][K] + vk * (s_new - b["S"][i]),
+                           np.where(B, b["SVS"][K1] + vk * s_new, b["SVS"][K]))
+            den = np.where(B, b["SV"][K1] + vk, b["SV"][K])
+            s_max = np.where(A, np.maximum(excl(b["SM1"], b["SM2"], K, b["S"]), s_new),
+                             np.where(B, np.maximum(b["SM1"][K1], s_new), b["SM1"][K]))
+            lo = np.where(last, num / den / rpb, 0.0)
+            hi = np.where(last, s_max / rpb, 0.0)
+        return base_T + np.maximum(pre_post, lo), base_T + np.maximum(pre_post, hi), parts
+
+    def _base_exact_tau(self, b, Ks):
+        """Exact DL phase of the base row's DL sets (sorted positions >= K) for the given K."""
+        n = self.n
+        wts = np.where(np.arange(n)[None, :] >= Ks[:, None], b["inv_g"], 0.0)
+        if self.grouped:
+            x = solve_x(self._group(wts, np.broadcast_to(self.by_rank["vidx"][b["r0"]], wts.shape)),
+                        self.values, self.R[Ks])
+        else:
+            x = solve_x(wts, b["S"], self.R[Ks])
+        with np.errstate(divide="ignore"):
+            return np.where(self.nd[Ks] > 0, 1.0 / (self.w[Ks] * x), 0.0)
+
+    def _pairs_exact_tau(self, b, cand, p):
+        """Exact DL phase of the pairs described by `p` (a subset of `_pairs_T`'s parts)."""
+        f, n = self.flat, self.n
+        A, B, K, c = p["A"], p["B"], p["K"], p["c"]
+        k_from = np.where(B, K + 1, K)  # base positions >= k_from are DL (without i in case A) ...
+        i, new = cand["i"][c], cand["new"][c]
+        vk = self.inv_g[cand["k"][c]]   # ... and so is k (cases A and B) with its new payload
+        if self.grouped:
+            W = b["Wv"][k_from].copy()
+            q = np.arange(K.size)
+            np.subtract.at(W, (q[A], b["vidx"][i[A]]), vk[A])
+            np.add.at(W, (q[A | B], f["vidx"][new[A | B]]), vk[A | B])
+            x = solve_x(np.maximum(W, 0.0), self.values, self.R[K])
+        else:
+            pos = np.arange(n)[None, :]
+            wts = np.where((pos >= k_from[:, None]) & ~(A[:, None] & (pos == i[:, None])), b["inv_g"], 0.0)
+            wts = np.concatenate([wts, np.where(A | B, vk, 0.0)[:, None]], axis=1)
+            pay = np.concatenate([np.broadcast_to(b["S"], (K.size, n)), f["S"][new][:, None]], axis=1)
+            x = solve_x(wts, pay, self.R[K])
+        with np.errstate(divide="ignore"):
+            return np.where(p["last"], 1.0 / (self.w[K] * x), 0.0)
+
+    def _select(self, b, key, theta, keep):
+        """Pairs (row, K) with b[key][K] <= theta[row] and keep(row, K), sorted by row: a prefix of the
+        bound's sorted order per row."""
+        cnt = np.searchsorted(b[key + "_sorted"], theta, side="right")
+        rows = np.repeat(np.arange(theta.size), cnt)
+        starts = np.cumsum(cnt) - cnt
+        Ks = b[key + "_order"][np.arange(rows.size) - np.repeat(starts, cnt)]
+        ok = keep(rows, Ks)
+        return rows[ok], Ks[ok]
+
+    def prefix_neighbors(self, L0, ks, Lc=None):
+        """`prefix(Lc)` for the single increments Lc[c] = L0 + e_{ks[c]}, without sorting or scanning them.
+
+        Raising L_k only raises device k's key, so its sorted row is the base row with k moved from
+        position i to a position j >= i. For a prefix size K the UL set is then the base prefix of K (case
+        A, K <= i, k DL), the base prefix of K + 1 without k (B, i < K <= j, k DL), or the base prefix of K
+        (C, K > j, k UL). Every maximum and sum of a candidate at one K is the base row's, corrected for k
+        in O(1) (a second maximum replaces a maximum that was k's). The base row also gives, per K, a lower
+        bound of the candidate's round time there (phases only grow with L, and T_ver grows by a known
+        amount); after an upper bound from a few guesses (K near the base's best, and near i and j), only
+        the K whose lower bound does not exceed it are evaluated: usually one to three per candidate.
+        Synchronous rounds only; otherwise (or if a key could fall with L) this is `prefix`."""
+        L0 = np.asarray(L0)
+        ks = np.asarray(ks)
+        if Lc is None:
+            Lc = np.repeat(L0[None], ks.size, axis=0)
+            Lc[np.arange(ks.size), ks] += 1
+        if not self.incremental:
+            return self.prefix(Lc)
+        n, C = self.n, ks.size
+        self.evaluations += C
+        b = self._base_row(L0)
+        new = ks * self.lmax + L0[ks]  # flat index of the raised entry
+        cand = dict(k=ks, new=new, i=b["pos0"][ks], j=np.searchsorted(b["r0"], self.rank[new]) - 1,
+                    t_ver=self._verify_raised(L0, ks))
+        # an upper bound of each candidate's best round time from a few guesses of K
+        kb = int(np.argmin(b["TBhi"]))
+        guesses = np.clip(np.stack([np.full(C, kb - 1), np.full(C, kb), np.full(C, kb + 1), cand["i"],
+                                    cand["i"] + 1, cand["j"], cand["j"] + 1]), 0, n)
+        gc = np.tile(np.arange(C), guesses.shape[0])
+        ub = np.full(C, np.inf)
+        np.minimum.at(ub, gc, self._pairs_T(b, cand, gc, guesses.ravel())[1])
+        # every K whose lower bound does not exceed it (a margin for rounding)
+        theta = ub * (1 + 1e-9) - (cand["t_ver"] - b["t_ver"])
+        i, j = cand["i"], cand["j"]
+        ra, ka = self._select(b, "LBA", theta, lambda r, K: (K <= i[r]) | (K > j[r]))
+        rb, kb_ = self._select(b, "LBB", theta, lambda r, K: (K > i[r]) & (K <= j[r]))
+        rows, Ks = np.concatenate([ra, rb]), np.concatenate([ka, kb_])
+        order = np.lexsort((Ks, rows))
+        rows, Ks = rows[order], Ks[order]
+        T_lo, T_hi, parts = self._pairs_T(b, cand, rows, Ks)
+        T = T_hi
+        if T_lo is not T_hi:  # unequal payloads: exact DL phase where it can decide the best K
+            bound = np.full(C, np.inf)
+            np.minimum.at(bound, rows, T_hi)
+            need = np.flatnonzero((T_lo < T_hi) & (T_lo <= bound[rows]))
+            T = T_hi.copy()
+            if need.size > 2 * C:
+                # Many open pairs (payloads far apart): the base row's own DL sets, solved once per K, bound
+                # them tightly. Case C is such a set (exact); A and B contain one (with k's payload grown).
+                A, B, K = parts["A"][need], parts["B"][need], parts["K"][need]
+                at = np.where(B, K + 1, K)
+                Ku, inv = np.unique(at, return_inverse=True)
+                tb = self._base_exact_tau(b, Ku)[inv]
+                t_base = parts["base_T"][need] + np.maximum(parts["pre_post"][need], tb)
+                T_lo = T_lo.copy()
+                T_lo[need] = np.maximum(T_lo[need], t_base)
+                exact_c = need[~(A | B)]
+                T[exact_c] = T_lo[exact_c] = t_base[~(A | B)]
+                bound = np.full(C, np.inf)
+                np.minimum.at(bound, rows, T)
+                need = np.flatnonzero((T_lo < T) & (T_lo <= bound[rows]))
+            if need.size:  # a second lower bound on the open pairs (see `_single_bound`)
+                p = {k: v[need] for k, v in parts.items()}
+                k_from = np.where(p["B"], p["K"] + 1, p["K"])
+                i_p = cand["i"][p["c"]]
+                pos = np.arange(n)[None, :]
+                mask = (pos >= k_from[:, None]) & ~(p["A"][:, None] & (pos == i_p[:, None]))
+                single = np.maximum(
+                    self._single_bound(np.broadcast_to(b["S"], mask.shape), np.broadcast_to(b["inv_g"], mask.shape),
+                                       mask, p["K"]),
+                    self._single_bound(self.flat["S"][cand["new"][p["c"]]][:, None],
+                                       self.inv_g[cand["k"][p["c"]]][:, None], (p["A"] | p["B"])[:, None], p["K"]))
+                t_lo = np.maximum(T_lo[need], p["base_T"] + np.maximum(p["pre_post"], single))
+                keep = t_lo <= bound[rows[need]]
+                need, t_lo = need[keep], t_lo[keep]
+
+            def exact(idx):
+                sub = {k: v[need[idx]] for k, v in parts.items()}
+                T[need[idx]] = t = sub["base_T"] + np.maximum(sub["pre_post"], self._pairs_exact_tau(b, cand, sub))
+                return t
+            if need.size:
+                _best_first(rows[need], t_lo, bound, exact)
+        # each row's smallest T, the smallest K among equals (what argmax over K gives)
+        order = np.lexsort((Ks, T, rows))
+        first = np.ones(order.size, bool)
+        first[1:] = rows[order][1:] != rows[order][:-1]
+        pick = order[first]
+        if pick.size != C:  # cannot happen with valid bounds; score in full rather than guess
+            return self.prefix(Lc)
+        best, T_best = Ks[pick], T[pick]
+        G = self.flat["E"][self._index(Lc)].sum(-1) / T_best
+        p = b["pos0"][None, :]
+        ic, jc = i[:, None], j[:, None]
+        newpos = np.where(np.arange(n)[None, :] == ks[:, None], jc, np.where((p > ic) & (p <= jc), p - 1, p))
+        return G, T_best, newpos < best[:, None]
+
+    def fixed_neighbors(self, L0, ks, Lc, ul, equal_power: bool = False, exact: bool = True):
+        """`fixed(Lc, ul)` for the single increments Lc[c] = L0 + e_{ks[c]} in fixed modes ul (N,): the
+        maxima over devices without k come from the base row's maximum and second maximum, and the DL
+        solve changes one payload. Synchronous rounds only; otherwise this is `fixed`.
+
+        exact=False (the greedy): with many distinct payloads, a candidate whose goodput provably stays
+        below another candidate's gets lower bounds of G and T instead of the exact values (it cannot be
+        the best candidate, and a lower bound of T keeps the fill rows' bound valid). With DL payloads
+        grown from s to s' the DL phase lies in [tau, tau max(1, s'/s)] (all payloads scaled by s'/s
+        cover the new set) and above channel inversion with the 1/g-weighted mean payload."""
+        if not self.incremental:
+            ul = np.broadcast_to(ul, Lc.shape)
+            return (*self.fixed(Lc, ul, equal_power=equal_power), ul)
+        sc, f = self.sc, self.flat
+        L0 = np.asarray(L0)
+        ks = np.asarray(ks)
+        ul = np.asarray(ul, bool)
+        dl = ~ul
+        self.evaluations += ks.size
+        idx0 = self.offset[0] + L0 - 1
+        new = ks * self.lmax + L0[ks]
+
+        def top_without_k(base, raised):
+            m1, m2 = (m[-1] for m in self._top2(base))
+            return np.maximum(np.where(base[ks] == m1, m2, m1), raised)
+
+        up = top_without_k(np.where(ul, f["up_u"][idx0], f["up_d"][idx0]),
+                           np.where(ul[ks], f["up_u"][new], f["up_d"][new]))
+        post_ul = top_without_k(np.where(ul, f["post_u"][idx0], 0.0), np.where(ul[ks], f["post_u"][new], 0.0))
+        nd = int(dl.sum())
+        S0, S_new = f["S"][idx0], f["S"][new]
+        dl_k = dl[ks]
+        if nd == 0:
+            down = np.zeros(ks.size)
+        elif sc.dl_access == "tdma":
+            t0 = np.where(dl, S0 / self.tdma_rate, 0.0)
+            down = t0.sum() + np.where(dl_k, S_new / self.tdma_rate[ks] - t0[ks], 0.0)
+        else:
+            w = float(self._bandwidth(nd))
+            if equal_power:
+                rate = radio.shannon_rate_bps(w, sc.downlink_power_w / nd, self.tb.gains, self.n0)
+                with np.errstate(divide="ignore"):
+                    own = np.where(dl, S0 / rate, 0.0)
+                    down = top_without_k(own, np.where(dl_k, S_new / rate[ks], 0.0))
+            else:
+                R = sc.downlink_power_w / (self.n0 * w)
+                wts = np.where(dl, self.inv_g, 0.0)
+                c = np.flatnonzero(dl_k)
+                # the base set's root bounds the candidates' from above (their payloads only grew)
+                if self.grouped:
+                    vid = f["vidx"][idx0]
+                    base = np.bincount(vid, wts, minlength=self.nv)
+                    x_base = solve_x(base, self.values, R)
+                    W = np.repeat(base[None, :], c.size, axis=0)
+                    p = np.arange(c.size)
+                    np.subtract.at(W, (p, vid[ks[c]]), wts[ks[c]])
+                    np.add.at(W, (p, f["vidx"][new[c]]), wts[ks[c]])
+                    x = solve_x(np.maximum(W, 0.0), self.values, R, x0=x_base)
+                    down = np.full(ks.size, 1.0 / (w * x_base))
+                    down[c] = 1.0 / (w * x)
+                else:
+                    x_base = solve_x(wts, S0, R)
+                    down = np.full(ks.size, 1.0 / (w * x_base))
+                    E = f["E"][self._index(Lc)].sum(-1)
+                    if not exact and c.size > 1:
+                        wsum = wts.sum()
+                        per_bit = w * np.log1p(R / wsum) / LN2
+                        mean = ((wts * S0).sum() + wts[ks[c]] * (S_new[c] - S0[ks[c]])) / wsum
+                        lo, hi = down.copy(), down.copy()
+                        lo[c] = np.maximum(down[c], mean / per_bit)
+                        hi[c] = down[c] * np.maximum(S_new[c] / S0[ks[c]], 1.0)
+                        rest = up + model.verify_time(sc, Lc) + self.t_over
+                        T_lo = rest + np.maximum(post_ul, lo)
+                        g_lb = E / (rest + np.maximum(post_ul, hi))
+                        open_ = E / T_lo * (1 + 1e-9) >= g_lb.max()
+                        solve = c[open_[c]]
+                    else:
+                        solve = c
+                    pay = np.repeat(S0[None, :], solve.size, axis=0)
+                    pay[np.arange(solve.size), ks[solve]] = S_new[solve]
+                    x = solve_x(np.broadcast_to(wts, pay.shape), pay, R, x0=x_base)
+                    if solve is not c:  # the others: lower bounds of T (and, through the upper DL bound, of G)
+                        T = T_lo.copy()
+                        g = g_lb.copy()
+                        down[solve] = 1.0 / (w * x)
+                        T[solve] = up[solve] + model.verify_time(sc, Lc[solve]) + np.maximum(
+                            post_ul[solve], down[solve]) + self.t_over
+                        g[solve] = E[solve] / T[solve]
+                        return g, T, np.broadcast_to(ul, Lc.shape)
+                    down[solve] = 1.0 / (w * x)
+        T = up + model.verify_time(sc, Lc) + np.maximum(post_ul, down) + self.t_over
+        G = f["E"][self._index(Lc)].sum(-1) / T
+        return G, T, np.broadcast_to(ul, Lc.shape)
+
+
+def _best_first(rows, T_lo, bound, exact, rounds: int = 3):
+    """Solve exactly, lowest lower bound first, the pairs that can still be their row's minimum.
+
+    rows, T_lo: pairs whose exact round time is at least T_lo and not known yet; bound: per row, an upper
+    bound of the row's minimum round time (updated); exact(idx) -> the exact round times of pairs idx.
+    Each of the first `rounds` rounds solves one pair per row; then every remaining candidate at once (and
+    at once from the start when there are few: one solve costs less than another round). A pair left
+    unsolved has T_lo above its row's minimum, so it cannot be (or tie) the minimum."""
+    open_ = np.ones(rows.size, bool)
+    for rnd in itertools.count():
+        cand = np.flatnonzero(open_ & (T_lo <= bound[rows]))
+        if cand.size == 0:
+            return
+        if rnd < rounds and cand.size > _BEST_FIRST_MIN:  # one per row: the smallest lower bound
+            cand = cand[np.lexsort((T_lo[cand], rows[cand]))]
+            first = np.ones(cand.size, bool)
+            first[1:] = rows[cand][1:] != rows[cand][:-1]
+            cand = cand[first]
+        np.minimum.at(bound, rows[cand], exact(cand))
+        open_[cand] = False
 
 
 # ---------------------------------------------------------------- draft lengths (spec section 8)
 
-def _uplink_tables(scorer: Scorer, ul):
-    """Per-device uplink-phase tables (C, N, L_max) in the given modes."""
+def _fill_levels(scorer: Scorer, ul, bottleneck):
+    """Per (candidate, device): the number of lengths whose uplink phase, in the candidate's mode, is at most
+    the candidate's bottleneck (uplink tables increase with L). Counted per distinct bottleneck."""
     tb = scorer.tb
-    return np.where(ul[..., None], tb.up_ul[None], tb.up_dl[None])
+    thr, inv = np.unique(bottleneck * (1 + 1e-12), return_inverse=True)
+    same = bool(np.all(ul == ul[:1]))
+    tabs = [(tb.up_ul, ul[0]), (tb.up_dl, ~ul[0])] if same else [(tb.up_ul, None), (tb.up_dl, None)]
+    counts = []
+    for tab, used in tabs:
+        if used is not None and not used.any():
+            counts.append(None)
+            continue
+        c = np.zeros((thr.size, scorer.n), np.int16)
+        for lev in range(scorer.lmax):  # a loop over lengths (<= 64), not over devices
+            c += tab[None, :, lev] <= thr[:, None]
+        counts.append(c[inv])
+    cu, cd = counts
+    if cu is None:
+        return cd
+    if cd is None:
+        return cu
+    return np.where(ul, cu, cd)
+
+
+class FixedModes:
+    """A greedy scorer with the same modes for every schedule (the baselines): score(L) -> (G, T, ul)."""
+
+    def __init__(self, scorer: Scorer, ul, equal_power: bool = False):
+        self.scorer, self.ul, self.equal_power = scorer, np.asarray(ul, bool), equal_power
+
+    def __call__(self, L, floor: float | None = None):
+        ul = np.broadcast_to(self.ul, np.shape(L))
+        G, T = self.scorer.fixed(L, ul, equal_power=self.equal_power, floor=floor)
+        return G, T, ul
+
+    def neighbors(self, L0, ks, Lc):
+        """The single increments Lc = L0 + e_k, incrementally; exact for every candidate that can be the
+        best one (see `Scorer.fixed_neighbors`, exact=False)."""
+        return self.scorer.fixed_neighbors(L0, ks, Lc, self.ul, self.equal_power, exact=False)
+
+
+def _score_bounded(scorer: Scorer, score, Lf, Lc, T_c, floor: float):
+    """G of the fill rows Lf, each raised from the candidate Lc with best round time T_c; -inf for rows
+    that provably cannot reach `floor`, which are not scored.
+
+    Every phase but T_ver grows with any L_k, whatever the modes, so the best round time of Lf is at least
+    T_c + T_ver(Lf) - T_ver(Lc), and its goodput at most E(Lf) / that (synchronous rounds). Rows are scored
+    in decreasing order of this bound, in growing chunks, and the floor rises with each chunk's best."""
+    E = scorer.flat["E"][scorer._index(Lf)].sum(-1)
+    dt = model.verify_time(scorer.sc, Lf) - model.verify_time(scorer.sc, Lc)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = E / (T_c + dt) * (1 + 1e-9)  # the margin covers rounding
+    bound = np.where(np.isnan(bound), np.inf, bound)
+    G = np.full(Lf.shape[0], -np.inf)
+    order = np.argsort(-bound, kind="stable")
+    start, size = 0, 4
+    while start < order.size:
+        chunk = order[start:start + size]
+        chunk = chunk[bound[chunk] >= floor]
+        if chunk.size == 0:
+            break  # sorted: no later row can reach the floor either
+        G[chunk] = score(Lf[chunk], floor=floor)[0]  # rows provably below the floor come back as -inf
+        floor = max(floor, float(G[chunk].max()))
+        start, size = start + size, size * 4
+    return G
 
 
 def greedy(scorer: Scorer, score, fill: bool, start=None):
     """Greedy draft lengths: take the best single increment (and, with fill, the best increment with
-    every other device raised to the new bottleneck) until nothing gains. score(L) -> (G, T, ul)."""
+    every other device raised to the new bottleneck) until nothing gains. score(L) -> (G, T, ul).
+
+    The single increments are scored incrementally from the current schedule when the scorer can
+    (`Scorer.prefix` and `FixedModes`); fill rows that provably cannot be the step's best are skipped.
+    Both give the same steps as scoring every row in full."""
     n, lmax = scorer.n, scorer.sc.max_draft_len
+    f = scorer.flat
+    if score == scorer.prefix:
+        neighbors, bounded = scorer.prefix_neighbors, scorer.prefix_exact
+    else:
+        neighbors = getattr(score, "neighbors", None)
+        bounded = neighbors is not None and scorer.incremental
+    if n < _INCREMENTAL_MIN_N:
+        neighbors = None
     L = np.ones(n, int) if start is None else np.asarray(start, int).copy()
     g_cur = score(L[None])[0][0]
     while True:
@@ -218,19 +827,21 @@ def greedy(scorer: Scorer, score, fill: bool, start=None):
             break
         Lc = np.repeat(L[None], cand.size, axis=0)
         Lc[np.arange(cand.size), cand] += 1
-        G, T, ul = score(Lc)
+        G, T, ul = neighbors(L, cand, Lc) if neighbors is not None else score(Lc)
         allL, allG = [Lc], [G]
         if fill:
-            # Uplink tables are increasing in L, so the fill level is a count of the levels that fit.
-            same = bool(np.all(ul == ul[:1]))  # fixed-mode scorers: one table for every candidate
-            up_tab = _uplink_tables(scorer, ul[:1] if same else ul)  # (C or 1, N, lmax)
-            bottleneck = np.take_along_axis(up_tab, (Lc - 1)[..., None], axis=2)[..., 0].max(-1)
-            l_fill = (up_tab <= bottleneck[:, None, None] * (1 + 1e-12)).sum(-1)
-            Lf = np.maximum(Lc, l_fill)
-            changed = np.any(Lf != Lc, axis=1)
-            if changed.any():
-                Gf, _, _ = score(Lf[changed])
-                allL.append(Lf[changed])
+            idx = scorer._index(Lc)
+            bottleneck = np.where(ul, f["up_u"][idx], f["up_d"][idx]).max(-1)
+            Lf = np.maximum(Lc, _fill_levels(scorer, ul, bottleneck))
+            changed = np.flatnonzero(np.any(Lf != Lc, axis=1))
+            if changed.size:
+                Lf = Lf[changed]
+                if bounded and Lf.shape[0] >= _BOUNDED_MIN_ROWS:
+                    Gf = _score_bounded(scorer, score, Lf, Lc[changed], T[changed],
+                                        max(float(G.max()), g_cur * (1 + _REL_GAIN)))
+                else:
+                    Gf = score(Lf)[0]
+                allL.append(Lf)
                 allG.append(Gf)
         allL, allG = np.concatenate(allL), np.concatenate(allG)
         i = int(np.argmax(allG))
@@ -343,7 +954,7 @@ def _exhaustive(sc: Scenario, s: Scorer, limit: int):
         ul = np.tile(ul_all, (Lb.shape[0], 1))
         G, _ = s.fixed(L, ul)
         i = int(np.argmax(G))
-        if G[i] > best[0]:
+        if G[i] > best[0] or best[1] is None:
             best = (G[i], L[i].copy(), ul[i].copy())
     return best[1], best[2]
 
@@ -383,11 +994,7 @@ def plan(sc: Scenario, policy: str = "proposed", *, fixed_length: int = 4, seed:
     info: dict = {}
 
     def fixed_scorer(ul_vec, equal=False):
-        def score(L):
-            ul = np.broadcast_to(ul_vec, L.shape)
-            G, T = s.fixed(L, ul, equal_power=equal)
-            return G, T, ul
-        return score
+        return FixedModes(s, ul_vec, equal)
 
     if policy in ("proposed", "proposed-basic"):
         if policy == "proposed":
@@ -423,5 +1030,28 @@ def plan(sc: Scenario, policy: str = "proposed", *, fixed_length: int = 4, seed:
     else:  # exhaustive
         L, ul = _exhaustive(sc, s, exhaustive_limit)
     ev = model.evaluate(sc, ul, L, dl_powers=dl_powers)
+    if not (np.isfinite(ev.round_time_s) and np.isfinite(ev.goodput_tps) and ev.goodput_tps > 0):
+        raise InfeasiblePlanError(_infeasible_message(sc, policy, ev))
     info["evaluations"] = s.evaluations
     return Plan(policy=policy, scenario=sc, evaluation=ev, info=info)
+
+
+def _infeasible_message(sc: Scenario, policy: str, ev: model.Evaluation) -> str:
+    """Why a plan has no finite round time, device by device."""
+    g = sc.gains_linear()
+    budgets = sc.energy_budgets_j()
+    lines = [f"policy {policy!r}: no feasible schedule (the best has round time {ev.round_time_s} s)"]
+    for k, d in enumerate(sc.devices):
+        if np.isfinite(ev.uplink_s[k]) and np.isfinite(ev.downlink_s[k]):
+            continue
+        why = ""
+        if np.isfinite(budgets[k]):
+            # energy p S / r(p) falls to S N0 ln2 / g as p -> 0: the least energy of an upload of S bits
+            least = {m: float((model.ul_first_bits(sc, m == model.UL, 1)
+                               + model.lazy_post_bits(sc, d.acceptance, 1) * (m == model.UL))
+                              * sc.noise_psd_w_hz * np.log(2.0) / g[k]) for m in (model.UL, model.DL)}
+            why = (f": energy_budget_j {budgets[k]:.3g} J is below the least energy of one upload at L = 1 "
+                   f"({least[model.UL]:.3g} J in UL mode, {least[model.DL]:.3g} J in DL mode)")
+        lines.append(f"device {d.name} ({ev.modes[k]} mode, L = {int(ev.draft_lens[k])}) cannot complete its "
+                     f"round{why}")
+    return "\n  ".join(lines)

@@ -55,10 +55,15 @@ def shannon_rate_bps(bandwidth_hz, power_w, gain_linear, noise_psd_w_hz):
     snr = np.asarray(power_w, dtype=float) * np.asarray(gain_linear, dtype=float) / (
         noise_psd_w_hz * np.where(b > 0, b, 1.0)
     )
-    rate = np.where(b > 0, b * np.log2(1.0 + snr), 0.0)
+    # log2(1 + snr) loses digits below snr ~ 1e-3 (gains near -250 dB): log1p there
+    spectral = np.where(snr < 1e-3, np.log1p(snr) / math.log(2.0), np.log2(1.0 + snr))
+    rate = np.where(b > 0, b * spectral, 0.0)
     return float(rate) if rate.ndim == 0 else rate
 
 
 def power_for_rate_w(bandwidth_hz, rate_bps, gain_linear, noise_psd_w_hz):
-    """Inverse of `shannon_rate_bps`: the power that gives `rate_bps`."""
-    return (noise_psd_w_hz * bandwidth_hz / gain_linear) * (2.0 ** (rate_bps / bandwidth_hz) - 1.0)
+    """Inverse of `shannon_rate_bps`: the power that gives `rate_bps` (expm1 at low spectral efficiency)."""
+    e = np.asarray(rate_bps / bandwidth_hz, dtype=float)
+    with np.errstate(over="ignore"):
+        snr = np.where(e < 1e-3, np.expm1(math.log(2.0) * e), 2.0 ** e - 1.0)
+    return (noise_psd_w_hz * bandwidth_hz / gain_linear) * (snr if snr.ndim else float(snr))

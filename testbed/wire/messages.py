@@ -80,6 +80,17 @@ CHANNEL_FIELDS: dict[str, tuple] = {
     "dl_access": (str, None, 32),
 }
 
+# A device's own reading of its link (device_node.link_probe), carried on each report. Only the age
+# travels, not the device's clock: the edge dates the reading on its own clock.
+LINK_FIELDS: dict[str, tuple] = {
+    "snr_db": (float, -100.0, 100.0),
+    "signal_dbm": (float, -200.0, 100.0),
+    "noise_dbm": (float, -200.0, 100.0),
+    "age_s": (float, 0.0, MAX_SECONDS),
+    "source": (str, None, 64),
+    "error": (str, None, 200),
+}
+
 
 def _kind(header: dict) -> str:
     # The message name in refusals: the header's type only when it is one of ours (it is peer text).
@@ -155,16 +166,18 @@ def _timings(header: dict, keys: tuple[str, ...]) -> dict[str, float]:
             for k in keys if raw.get(k) is not None}
 
 
-def _channel(header: dict, name: str) -> dict | None:
-    """A channel annotation (`CHANNEL_FIELDS`), or None when absent."""
+def _channel(header: dict, name: str, fields: dict[str, tuple] = CHANNEL_FIELDS,
+             what: str = "the channel emulator's object") -> dict | None:
+    """An annotation object with known `fields` (default `CHANNEL_FIELDS`), or None when absent; other keys
+    are dropped."""
     where = f"{_kind(header)}.{name}"
     raw = header.get(name)
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise ProtocolError(f"{where}: {P.show(raw)} is not allowed; must be the channel emulator's object or null")
+        raise ProtocolError(f"{where}: {P.show(raw)} is not allowed; must be {what} or null")
     out: dict[str, Any] = {}
-    for key, (kind, lo, hi) in CHANNEL_FIELDS.items():
+    for key, (kind, lo, hi) in fields.items():
         value = raw.get(key)
         if value is None:
             if key in raw:
@@ -548,11 +561,15 @@ def parse_verdict(header: dict, arrays: dict, *, draft_len: int, vocab_size: int
 
 # --- report --------------------------------------------------------------------------------------
 
-def report(round_index: int, token: int, n_accepted: int, timings: dict, dl_channel: dict | None) -> list:
-    """Device -> edge after each verdict: the round's final token, n_accepted, its correction time (s) and the
-    verdict's channel annotation."""
-    return P.encode({"type": P.REPORT, "round": int(round_index), "token": int(token),
-                     "n_accepted": int(n_accepted), "timings": timings, "dl_channel": dl_channel})
+def report(round_index: int, token: int, n_accepted: int, timings: dict, dl_channel: dict | None,
+           link: dict | None = None) -> list:
+    """Device -> edge after each verdict: the round's final token, n_accepted, its correction time (s), the
+    verdict's channel annotation and, with a link probe, the device's latest link reading (`LINK_FIELDS`)."""
+    header = {"type": P.REPORT, "round": int(round_index), "token": int(token),
+              "n_accepted": int(n_accepted), "timings": timings, "dl_channel": dl_channel}
+    if link is not None:
+        header["link"] = link
+    return P.encode(header)
 
 
 @dataclass
@@ -564,6 +581,7 @@ class Report:
     n_accepted: int
     timings: dict
     dl_channel: dict | None
+    link: dict | None = None
 
 
 def parse_report(header: dict, vocab_size: int) -> Report:
@@ -572,4 +590,9 @@ def parse_report(header: dict, vocab_size: int) -> Report:
     r = _round(header)
     token = _field(header, "token", int, f"a token id in [0, {vocab_size})", lo=0, hi=vocab_size - 1)
     n = _field(header, "n_accepted", int, f"an integer in 0..{MAX_DRAFT_LEN}", lo=0, hi=MAX_DRAFT_LEN)
-    return Report(r, token, n, _timings(header, REPORT_TIMINGS), _channel(header, "dl_channel"))
+    return Report(r, token, n, _timings(header, REPORT_TIMINGS), _channel(header, "dl_channel"), parse_link(header))
+
+
+def parse_link(header: dict) -> dict | None:
+    """The device's link reading a report or a heartbeat may carry (`LINK_FIELDS`), or None."""
+    return _channel(header, "link", LINK_FIELDS, "a link reading {snr_db, signal_dbm, noise_dbm, age_s, ...}")

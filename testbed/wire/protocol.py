@@ -164,7 +164,8 @@ def _path(trail) -> str:
     return "".join(reversed(parts))
 
 
-def parse_json(raw: bytes | memoryview | str, *, what: str = "header", max_bytes: int = MAX_HEADER_BYTES) -> Any:
+def parse_json(raw: bytes | memoryview | str, *, what: str = "header", max_bytes: int = MAX_HEADER_BYTES,
+               max_items: int = MAX_JSON_ITEMS) -> Any:
     """Strict, bounded JSON from a peer: at most `max_bytes` of UTF-8, nesting at most MAX_JSON_DEPTH, finite
     numbers, integers within int64, no duplicate keys, no lone surrogates. Anything else (whatever the
     parser would raise) is a ProtocolError naming `what` and, where there is one, the field. The channel
@@ -180,8 +181,8 @@ def parse_json(raw: bytes | memoryview | str, *, what: str = "header", max_bytes
         depth = _nesting_depth(data)
         if depth > MAX_JSON_DEPTH:
             raise ProtocolError(f"{what}: nesting depth {depth} exceeds {MAX_JSON_DEPTH}")
-        if data.count(b",") > MAX_JSON_ITEMS and _JSON_STRING.sub(b"", data).count(b",") > MAX_JSON_ITEMS:
-            raise ProtocolError(f"{what}: more than {MAX_JSON_ITEMS} values")
+        if data.count(b",") > max_items and _JSON_STRING.sub(b"", data).count(b",") > max_items:
+            raise ProtocolError(f"{what}: more than {max_items} values")
         try:
             value = json.loads(text, parse_constant=_parse_constant, parse_int=_parse_int, object_pairs_hook=_object)
         except json.JSONDecodeError as exc:

@@ -1,0 +1,138 @@
+"""Online rate estimates of a real link from what the edge measures (`channel.measure_links`).
+
+Without an emulator (``channel.mode: passthrough``) nothing annotates air time, and device and edge clocks
+are not synchronized. The edge only compares instants of its own clock, with durations the device measured
+on its own:
+
+- uplink: schedule sent (edge) -> draft arrived (edge), minus the device's drafting time ``draft_s``
+  = the schedule's one-way trip + the device's send overhead + the draft's one-way trip;
+- downlink: verdict sent (edge) -> report arrived (edge), minus the device's ``correction_s``
+  = the verdict's one-way trip + the report's one-way trip.
+
+Each is ``a + 8 x bytes / r``: a constant (latencies, small messages, scheduling) plus the transfer of the
+message whose size varies (the draft: megabytes in UL mode, hundreds of bytes in DL mode; the verdict: a
+distribution or a token). `DirectionEstimate` fits that line over recent rounds: messages are grouped by
+size (10% bins), the minimum time per group is kept (the delays a shared host or network adds are one-sided),
+and a least-squares line through the group minima gives the slope 1/r and the intercept a (as
+`channel_emulator.link_probe.fit_sweep` does for a size sweep); through the large messages only when they
+alone spread in size (a shaper's burst, see `fit_line`). A fit counts only from 4 messages on, when the
+sizes spread (largest >= 2 x smallest) and the transfer at the largest size stands out of the residual
+scatter; else the link is too fast for these sizes to tell and no rate is claimed. With only one large
+size and small ones, the line goes through both: a burst then shows as a higher rate, and the plan's air
+time of that large message is still right (it is what the line was fitted to).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+
+# Messages whose sizes differ by less than 10% share a group: a group's minimum is then taken over more
+# messages (small ones differ by a few header bytes), and draft lengths L and L + 1 still differ by more.
+SIZE_BIN = 0.10
+MIN_GROUPS = 2        # a slope needs two sizes
+MIN_SAMPLES = 4       # ... and a few messages: one late message must not set the rate on its own
+MIN_SPREAD = 2.0      # largest / smallest size of the groups
+MIN_SIGNIFICANCE = 3.0  # transfer time at the largest size / residual RMS
+LARGE_FRACTION = 0.25  # "large" messages: at least this fraction of the largest one ...
+LARGE_SPREAD = 1.5     # ... and a line through them alone when they spread this much
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """time = intercept_s + 8 bytes / rate_bps over `n` messages (through `groups` size groups)."""
+
+    rate_bps: float
+    intercept_s: float
+    n: int
+    groups: int
+    resid_rms_s: float
+
+    def predict_s(self, nbytes: float) -> float:
+        """Transfer time of `nbytes` (the intercept left out)."""
+        return 8.0 * nbytes / self.rate_bps
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DirectionEstimate:
+    """One direction of one device's link: the recent (bytes, seconds) samples and their fit."""
+
+    def __init__(self, window: int = 40):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.fit: LinkFit | None = None
+
+    def add(self, nbytes: int, seconds: float) -> LinkFit | None:
+        """Add one message's size and time; returns the refitted line (None while it cannot tell)."""
+        if nbytes > 0 and math.isfinite(seconds):
+            self.samples.append((int(nbytes), float(seconds)))
+            self.fit = fit_line(list(self.samples))
+        return self.fit
+
+
+def fit_line(samples: list[tuple[int, float]]) -> LinkFit | None:
+    """The line through the per-size-group minimum times (see the module); None when it cannot tell."""
+    if len(samples) < MIN_SAMPLES:
+        return None
+    groups: dict[int, tuple[int, float]] = {}
+    for nbytes, t in samples:
+        key = round(math.log(nbytes) / math.log1p(SIZE_BIN))
+        if key not in groups or t < groups[key][1]:
+            groups[key] = (nbytes, t)
+    if len(groups) < MIN_GROUPS:
+        return None
+    points = sorted(groups.values())
+    # A token bucket (a shaper, tc tbf) lets its burst through at line rate: a message larger than the burst
+    # takes a + (bytes - burst) / r, a line of the same slope as the rate's but a lower intercept than the
+    # small messages'. A line through small and large messages then overstates the rate (seen: +21% with
+    # a 10 kB burst and 64 kB uploads), so when the large messages alone spread, the line goes through them.
+    large = [(b, t) for b, t in points if b >= LARGE_FRACTION * points[-1][0]]
+    if len(large) >= MIN_GROUPS and large[-1][0] >= LARGE_SPREAD * large[0][0]:
+        points = large
+    xs = [float(b) for b, _ in points]
+    ys = [t for _, t in points]
+    if max(xs) < MIN_SPREAD * min(xs) and points is not large:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if not slope > 0:
+        return None
+    intercept = my - slope * mx
+    resid = math.sqrt(sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys)) / len(xs))
+    if slope * max(xs) < MIN_SIGNIFICANCE * resid:
+        return None
+    return LinkFit(rate_bps=8.0 / slope, intercept_s=intercept, n=len(samples), groups=len(points),
+                   resid_rms_s=resid)
+
+
+class LinkEstimator:
+    """Per device, the uplink and downlink estimates; `rates` is what the controller plans with."""
+
+    def __init__(self, window: int = 40):
+        self.window = window
+        self.links: dict[str, dict[str, DirectionEstimate]] = {}
+
+    def _dir(self, name: str, direction: str) -> DirectionEstimate:
+        per = self.links.setdefault(name, {"ul": DirectionEstimate(self.window), "dl": DirectionEstimate(self.window)})
+        return per[direction]
+
+    def fit(self, name: str, direction: str) -> LinkFit | None:
+        return self._dir(name, direction).fit
+
+    def observe(self, name: str, direction: str, nbytes: int, seconds: float) -> dict:
+        """Add one message and return its entry for the round record: the time as measured (``raw_s``),
+        the transfer time by the fit made before it (``s``: raw minus that intercept; None before a fit),
+        and the fit after it."""
+        est = self._dir(name, direction)
+        before = est.fit
+        after = est.add(nbytes, seconds)
+        return {"bytes": int(nbytes), "raw_s": seconds,
+                "s": None if before is None else max(0.0, seconds - before.intercept_s),
+                "fit": None if after is None else after.to_dict()}
+
+    def rates(self, name: str) -> dict[str, float | None]:
+        """{"ul": bit/s or None, "dl": bit/s or None}: the fitted rates (None: not measurable yet)."""
+        return {d: (None if (f := self.fit(name, d)) is None else f.rate_bps) for d in ("ul", "dl")}

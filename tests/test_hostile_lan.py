@@ -1,0 +1,165 @@
+"""A whole run on a hostile LAN (issue 9): real processes (edge, channel emulator, two devices) on loopback
+tcp, while a fuzzer throws malformed and forged messages at the edge, the emulator's frontend and its control
+socket; and a run whose channel emulator is killed. Nothing may crash, the honest devices keep producing
+rounds, and what was recorded stays on disk.
+
+Every process started here is stopped by its pid; every address is 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from test_run_lifecycle import CLI, _alive, _children, _kill_all, _profile_data, _wait_rounds
+
+from testbed.wire import messages as M
+from testbed.wire import protocol as P
+
+FUZZ_MESSAGES = 2000  # per run; the wire parsers see 10^5 in tests/test_wire_fuzz.py's slow run
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _tcp_profile(path: Path, pair, rounds: int) -> dict:
+    edge, front, ctl = (f"tcp://127.0.0.1:{p}" for p in _free_ports(3))
+    data = _profile_data(pair, rounds=rounds, channel={"mode": "real"},
+                         endpoints={"edge_bind": edge, "channel_frontend": front, "channel_control": ctl})
+    path.write_text(json.dumps(data))  # JSON is YAML
+    return data["endpoints"]
+
+
+def _hostile_messages(rng: random.Random) -> list[list[bytes]]:
+    """One of many shapes of bad input: garbage, JSON that kills naive parsers, and well-formed messages
+    with forged or absurd fields."""
+    kind = rng.randrange(9)
+    if kind == 0:
+        return [rng.randbytes(rng.randrange(0, 300))]
+    if kind == 1:
+        return [b'{"v": 1, "type": "draft", "round": NaN}']
+    if kind == 2:
+        return [b'{"v": 1, "type": "x", "a": ' + b"[" * 5000 + b"]" * 5000 + b"}"]
+    if kind == 3:
+        return [b'{"v": 1, "type": "register", "round": ' + b"9" * 5000 + b"}"]
+    if kind == 4:
+        hdr = {"type": "draft", "round": rng.randrange(0, 5), "arrays": [["q", "float32", [2**32, 2**32]]]}
+        return [P.encode_header(hdr), b"\x00" * 16]
+    if kind == 5:
+        return M.register(rng.choice(["d0", "d1", "intruder", "x" * 300]), rng.randrange(-5, 10**6), {})
+    if kind == 6:
+        return M.report(rng.randrange(0, 5), rng.randrange(0, 320), 2, {"correction_s": 1e300},
+                        {"bytes": 10, "rate_bps": 1e6})
+    if kind == 7:
+        return [P.encode_header({"type": "stop"})]
+    return [P.encode_header({"type": rng.choice(["schedule", "verdict", "bye", "heartbeat", "configure"]),
+                             "round": rng.randrange(-3, 3), "air": rng.choice(["ul", "dl", "both"])})]
+
+
+def _fuzz(endpoints: dict, n: int, seed: int = 0) -> None:
+    """Send `n` hostile messages from many identities to the edge, the frontend and the control socket."""
+    rng = random.Random(seed)
+    ctx = zmq.Context()
+    try:
+        socks = []
+        for i, target in enumerate(("edge_bind", "channel_frontend")):
+            for j in range(4):
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 10_000)
+                if j:  # one anonymous peer, the others with names (never the honest devices' own)
+                    s.setsockopt(zmq.ROUTING_ID, f"fuzz{i}{j}".encode())
+                s.connect(endpoints[target])
+                socks.append(s)
+        control = ctx.socket(zmq.DEALER)  # a DEALER, so an unanswered request does not block the fuzzer
+        control.setsockopt(zmq.LINGER, 0)
+        control.connect(endpoints["channel_control"])
+        for k in range(n):
+            frames = _hostile_messages(rng)
+            if k % 10 == 9:
+                control.send_multipart([b"", frames[0]])
+            else:
+                rng.choice(socks).send_multipart(frames)
+            if k % 200 == 199:
+                time.sleep(0.05)  # a burst, then a breath: the honest rounds interleave
+        time.sleep(0.5)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_fuzzed_lan_does_not_stop_the_run(micro_pair, tmp_path):
+    endpoints = _tcp_profile(tmp_path / "p.yaml", micro_pair, rounds=5000)
+    proc = subprocess.Popen([*CLI, "run", str(tmp_path / "p.yaml"), "--runs-dir", str(tmp_path / "runs"),
+                             "--quiet", "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list[int] = []
+    try:
+        run_dir = _wait_rounds(tmp_path / "runs", 2, proc)
+        children = _children(proc.pid)
+        _fuzz(endpoints, FUZZ_MESSAGES)
+        # The honest devices go on after the attack: ten more rounds, then the run is stopped (SIGTERM).
+        after = (run_dir / "rounds.jsonl").read_text().count("\n") + 10
+        _wait_rounds(tmp_path / "runs", after, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "interrupted", summary.get("reason")
+        # The attack reached both nodes: the edge refused its share, the emulator counted what it dropped.
+        assert summary["refused_messages"] >= FUZZ_MESSAGES // 10, summary["refusals"]
+        counters = summary["channel_stats"]["counters"]
+        assert counters["control_refused"] + counters["malformed"] + counters["refused_identity"] > 50, counters
+        records = [json.loads(x) for x in (run_dir / "rounds.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in records] == list(range(len(records))) and len(records) >= after
+        # The honest devices took part in the rounds after the attack as before it.
+        late = records[after - 10:after]
+        assert all(not r["missed"] and r["measured"]["tokens"] >= 2 for r in late)
+        assert all(not _alive(c) for c in children)
+    finally:
+        _kill_all([proc, *children])
+
+
+def test_a_killed_channel_emulator_ends_the_run_cleanly(micro_pair, tmp_path):
+    _tcp_profile(tmp_path / "p.yaml", micro_pair, rounds=400)
+    proc = subprocess.Popen([*CLI, "run", str(tmp_path / "p.yaml"), "--runs-dir", str(tmp_path / "runs"),
+                             "--quiet", "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list[int] = []
+    try:
+        run_dir = _wait_rounds(tmp_path / "runs", 3, proc)
+        children = _children(proc.pid)
+        emulators = [c for c in children if b"channel_emulator.proxy" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(emulators) == 1
+        t_kill = time.monotonic()
+        os.kill(emulators[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        ended_s = time.monotonic() - t_kill
+        assert proc.returncode not in (0, None), out[-3000:]
+        assert ended_s < 30, f"the run took {ended_s:.1f} s to notice its dead emulator"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "failed" and "emulator" in summary["reason"], summary
+        raw = (run_dir / "rounds.jsonl").read_text()
+        assert raw.endswith("\n") and len(raw.splitlines()) >= 3
+        for line in raw.splitlines():
+            json.loads(line)
+        deadline = time.monotonic() + 15
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(c) for c in children), "orphaned device processes"
+    finally:
+        _kill_all([proc, *children])
+
+
+pytestmark = pytest.mark.timeout(400)

@@ -1,0 +1,194 @@
+"""Issue 10's pieces in the live testbed: device link probes -> reports -> the live channel state; rate traces ->
+the emulator, the plan and the record; the edge's rate estimate of a real link. Unit checks first (no
+processes), then short live runs on the micro pair."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from channel_emulator.state import ChannelState
+from channel_emulator.traces import load_mahimahi, load_throughput_csv
+from device_node.link_probe import LinkMeasurement
+from device_node.node import link_reading
+from testbed import PROFILES_DIR
+from testbed.controller import Controller, DeviceOutcome, channel_links, fix_rates, round_record
+from testbed.core.optimizer import plan
+from testbed.core.scenario import Scenario
+from testbed.link_estimate import LinkEstimator, fit_line
+from testbed.profile import ProfileError, load_profile
+from testbed.wire import messages as M
+
+TRACES = PROFILES_DIR / "traces"
+
+
+def _scenario(**dev_extra) -> Scenario:
+    return Scenario.from_dict({
+        "vocab_size": 4096, "max_draft_len": 6, "uplink_bandwidth_hz": 2e6, "downlink_bandwidth_hz": 2e6,
+        "downlink_power_w": 1.0,
+        "devices": [{"name": "a", "distance_m": 100, "draft_time_s": 0.001, "acceptance": 0.6, **dev_extra},
+                    {"name": "b", "distance_m": 300, "draft_time_s": 0.001, "acceptance": 0.6}]})
+
+
+# --- device side: what a report carries -----------------------------------------------------------------
+
+def test_link_reading_carries_the_age_not_the_clock_and_keeps_within_the_wire_bounds():
+    now = time.time()
+    m = LinkMeasurement(17.5, -60.0, -77.5, now - 2.0, "file:/x")
+    link = link_reading(m, now)
+    assert link == {"age_s": pytest.approx(2.0), "snr_db": 17.5, "signal_dbm": -60.0, "noise_dbm": -77.5,
+                    "source": "file:/x"}
+    assert "t_wall" not in link
+    # An SNR the wire would refuse (and the edge with it the whole report) is left out and said.
+    bad = link_reading(LinkMeasurement(250.0, None, None, now, "command:x" + "y" * 100), now)
+    assert "snr_db" not in bad and "250" in bad["error"] and len(bad["source"]) == 64
+    parsed = M.parse_report({"type": "report", "round": 0, "token": 1, "n_accepted": 0, "timings": {},
+                             "dl_channel": None, "link": bad}, 10)
+    assert parsed.link["error"] == bad["error"]
+
+
+# --- the plan: fixed rates through the gain -------------------------------------------------------------
+
+@pytest.mark.parametrize("rate", [2e5, 6e6, 34.7e6])
+def test_fix_rates_gives_the_plan_the_trace_ul_rate_at_full_power(rate):
+    sc = fix_rates(_scenario(energy_budget_j=1e-4), {"a": {"ul": rate, "dl": None}})
+    a = sc.devices[0]
+    assert a.energy_budget_j is None  # power control has no effect on a fixed rate: P^max
+    for policy in ("all-ul", "all-dl", "proposed"):
+        d = {p.name: p for p in plan(sc, policy).device_plans()}["a"]
+        assert d.ul_rate_bps == pytest.approx(rate, rel=1e-6) and d.ul_power_w == pytest.approx(a.max_power_w)
+
+
+def test_fix_rates_dl_at_an_equal_share_and_both_directions():
+    sc = fix_rates(_scenario(), {"a": {"ul": None, "dl": 8e6}, "b": {"ul": 3e6, "dl": 5e6}})
+    # Every device in DL mode with an equal power split: the planned DL rates are the fixed ones.
+    ev = {p.name: p for p in plan(sc, "all-dl-equal-power").device_plans()}
+    assert ev["a"].dl_rate_bps == pytest.approx(8e6, rel=1e-6)
+    assert ev["b"].dl_rate_bps == pytest.approx(5e6, rel=1e-6)
+    # Both fixed: the DL sets the gain, the UL power is the one that gives the UL rate with it.
+    assert ev["b"].ul_rate_bps == pytest.approx(3e6, rel=1e-6)
+
+
+def _trace_controller(tmp_path) -> Controller:
+    cfg = {"source": "trace", "trace": {"index": "round", "devices": {
+        "a": {"ul": str(TRACES / "example-ar1-6mbps.up")},
+        "b": {"ul": str(TRACES / "example-walk-30mbps.csv"), "dl": str(TRACES / "example-walk-30mbps.csv")}}}}
+    sc = _scenario()
+    state = ChannelState.from_config(cfg, [d.model_dump() for d in sc.devices])
+    return Controller(sc, channel_state=state)
+
+
+def test_trace_rates_reach_the_emulator_links_and_the_record(tmp_path):
+    c = _trace_controller(tmp_path)
+    up = load_mahimahi(TRACES / "example-ar1-6mbps.up")
+    walk = load_throughput_csv(TRACES / "example-walk-30mbps.csv")
+    for r in range(5):
+        rp = c.plan_round(r, ["a", "b"], t_s=0.3 * r)
+        links = channel_links(rp)
+        assert rp.rate_source == "trace"
+        assert links["a"]["ul_rate_bps"] == pytest.approx(up.at_index(r, loop=True))
+        assert links["b"]["ul_rate_bps"] == pytest.approx(walk.at_index(r))
+        assert links["b"]["dl_rate_bps"] == pytest.approx(walk.at_index(r))  # the trace, in either mode
+        assert rp.per_device["a"].ul_rate_bps == pytest.approx(up.at_index(r, loop=True), rel=1e-6)
+        charged = {"rate_bps": links["a"]["ul_rate_bps"], "bytes": 900, "airtime_s": 0.001, "held_s": 0.001,
+                   "mode": "real"}
+        out = DeviceOutcome(n_accepted=1, tokens=2, dl_payload="token", ul_channel=charged, ul_bytes=900,
+                            dl_bytes=70, up_phase_s=0.01, t_verdict=0.0)
+        rec = round_record(rp, policy="proposed", outcomes={"a": out}, verify_s=0.01, round_s=0.05, t_start_s=0.0)
+        a = rec["devices"]["a"]
+        assert a["trace_rate_bps"] == {"ul": up.at_index(r, loop=True), "dl": None}
+        assert a["measured"]["ul_rate_bps"] == a["trace_rate_bps"]["ul"]
+        assert rec["channel_t_s"] == pytest.approx(0.3 * r)
+
+
+# --- the live channel state: readings, staleness, drop ----------------------------------------------------
+
+def _live_controller(fallback: str) -> Controller:
+    sc = _scenario()
+    state = ChannelState.from_config({"source": "live", "noise_figure_db": 9.0,
+                                      "live": {"max_age_s": 3.0, "fallback": fallback}},
+                                     [d.model_dump() for d in sc.devices])
+    return Controller(sc, channel_state=state)
+
+
+def test_a_fresh_reading_is_the_gain_planned_with_and_recorded():
+    c = _live_controller("model")
+    c.channel_state.report_live("a", {"snr_db": 12.5, "age_s": 0.4, "source": "file:x"}, t_s=9.6)
+    rp = c.plan_round(3, ["a", "b"], t_s=10.0)
+    assert rp.live_used["a"]["source"] == "live" and rp.live_used["a"]["value"] == 12.5
+    assert rp.live_used["a"]["age_s"] == pytest.approx(0.4)
+    assert rp.estimates["a"]["gain_db"] == pytest.approx(c.channel_state.snr_to_gain_db("a", 12.5))
+    assert rp.live_used["b"]["source"] == "model"  # no reading: the mean path loss
+    rec = round_record(rp, policy="proposed", outcomes={}, verify_s=None, round_s=0.1, t_start_s=0.0)
+    assert rec["devices"]["a"]["live_used"]["value"] == 12.5 and "sat_out" not in rec
+    # Later, the same reading is stale: the fallback (model) is used and said.
+    rp = c.plan_round(4, ["a", "b"], t_s=20.0)
+    assert rp.live_used["a"]["source"] == "model" and rp.live_used["a"]["age_s"] == pytest.approx(10.4)
+
+
+def test_fallback_drop_sits_the_device_out_instead_of_failing_the_plan():
+    c = _live_controller("drop")
+    c.channel_state.report_live("a", 15.0, t_s=0.0)
+    rp = c.plan_round(0, ["a", "b"], t_s=1.0)
+    assert rp.devices == ["a"] and rp.requested == ["a", "b"] and set(rp.per_device) == {"a"}
+    assert "drop" in rp.sat_out["b"] and rp.live_used["b"]["source"] == "drop"
+    rec = round_record(rp, policy="proposed", outcomes={}, verify_s=None, round_s=0.1, t_start_s=0.0)
+    assert rec["sat_out"]["b"]["live_used"]["source"] == "drop" and list(rec["devices"]) == ["a"]
+    # Nobody fresh: an empty plan, not an exception.
+    rp = c.plan_round(1, ["a", "b"], t_s=100.0)
+    assert rp.devices == [] and set(rp.sat_out) == {"a", "b"}
+
+
+# --- profile --------------------------------------------------------------------------------------------
+
+def test_profile_link_probe_and_measure_links_are_checked():
+    base = load_profile("trace-replay").snapshot()
+    with pytest.raises(ProfileError, match="link_probe.*nope"):
+        load_profile({**base, "link_probe": {"nope": "file:/x"}})
+    with pytest.raises(ProfileError, match="link_probe.dev0"):
+        load_profile({**base, "link_probe": {"dev0": "wifi"}})
+    assert load_profile({**base, "link_probe": {"dev0": "file:/tmp/x"}}).link_probe == {"dev0": "file:/tmp/x"}
+    with pytest.raises(ProfileError, match="passthrough"):
+        load_profile({**base, "channel": {"mode": "real", "measure_links": True}})
+
+
+# --- the edge's estimate of a real link -------------------------------------------------------------------
+
+def test_the_line_fit_recovers_a_rate_from_one_sided_noise_and_claims_none_on_a_fast_link():
+    import random
+
+    rng = random.Random(3)
+    rate = 8e6
+    sizes = [400, 420, 65_000, 130_000, 197_000, 262_000, 327_000, 393_000] * 4
+    samples = [(s, 0.004 + 8 * s / rate + rng.expovariate(2000.0)) for s in sizes]
+    fit = fit_line(samples)
+    assert fit.rate_bps == pytest.approx(rate, rel=0.01) and fit.intercept_s == pytest.approx(0.004, abs=1e-3)
+    # A shaper's burst (10 kB at line rate): the large messages alone give the rate, not the line through
+    # them and the small ones.
+    burst = [(s, 0.004 + 8 * max(0, s - 10_000) / rate + rng.expovariate(2000.0)) for s in sizes]
+    assert fit_line(burst).rate_bps == pytest.approx(rate, rel=0.01)
+    # A link far faster than these sizes resolve: the scatter hides the transfer, no rate is claimed.
+    fast = [(s, 0.004 + 8 * s / 1e11 + rng.expovariate(500.0)) for s in sizes]
+    assert fit_line(fast) is None
+    assert fit_line([(400, 0.01), (410, 0.011), (405, 0.0105), (402, 0.0101)]) is None  # no spread of sizes
+    assert fit_line(samples[:3]) is None  # too few messages
+    est = LinkEstimator()
+    entries = [est.observe("d", "ul", s, t) for s, t in samples]
+    assert entries[0]["s"] is None and entries[-1]["s"] == pytest.approx(8 * sizes[-1] / rate, rel=0.2)
+    assert est.rates("d")["ul"] == pytest.approx(rate, rel=0.01) and est.rates("d")["dl"] is None
+    assert math.isfinite(entries[-1]["fit"]["resid_rms_s"])
+
+
+def test_a_bad_link_probe_spec_stops_the_device_at_start_saying_why(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "device_node.node", "--connect", f"ipc://{tmp_path}/nobody",
+                          "--name", "d0", "--draft", str(tmp_path / "missing.onnx"), "--link-probe", "wifi",
+                          "--register-timeout", "0.2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "link probe 'wifi' is invalid" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "device_node.node", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert "--link-probe SPEC" in out.stdout and "--link-probe-period-s" in out.stdout

@@ -1,0 +1,394 @@
+"""The workflow around runs: overrides and config (--set with indexes and names, --print-config, errors that
+name the flag, did-you-mean, one profile resolution), finding and comparing runs (`runs`, `report A B`, a
+compare directory, `compare --repeats`), the flat export, simulate's --out, and clear errors.
+
+Run directories are synthesized with the real writer (RunRecorder) and real round records
+(testbed.controller.round_record), not by running the live testbed."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testbed import report
+from testbed.cli import main
+from testbed.config_override import Override, fixed_length_notes, parse_set
+from testbed.controller import Controller, DeviceOutcome, round_record
+from testbed.export import columns, device_rows
+from testbed.profile import ProfileError, find_profile, load_profile
+from testbed.records import RunRecorder
+from testbed.scenario_file import load_scenario
+
+SCEN = {"bits_per_prob": 16, "max_draft_len": 6,
+        "devices": [{"name": "a", "distance_m": 100, "draft_time_s": 0.01, "acceptance": 0.7},
+                    {"name": "b", "distance_m": 300, "draft_time_s": 0.02, "acceptance": 0.6}]}
+
+
+def synth_records(n: int, policy: str = "proposed", slow: float = 1.5) -> list[dict]:
+    """n round records of two devices; the measured round is `slow` times the predicted one."""
+    c = Controller(load_scenario({**SCEN, "vocab_size": 1000}))
+    recs = []
+    for r in range(n):
+        rp = c.plan_round(r, ["a", "b"])
+        outcomes = {}
+        for name in ("a", "b"):
+            d = rp.per_device[name]
+            outcomes[name] = DeviceOutcome(
+                n_accepted=1, tokens=2, dl_payload="p", ul_bytes=10, dl_bytes=10, up_phase_s=d.uplink_s * 1.1,
+                t_verdict=0.0, timings={"draft_s": d.draft_s * 1.1},
+                ul_channel={"mode": "real", "held_s": d.tx_s * 1.02, "bytes": 10},
+                dl_channel={"mode": "real", "held_s": d.downlink_s * 0.98, "bytes": 10})
+        recs.append(round_record(rp, policy=policy, outcomes=outcomes, verify_s=rp.plan["phases_s"]["verify"],
+                                 round_s=rp.plan["round_time_s"] * slow, t_start_s=float(r)))
+    return recs
+
+
+def synth_run(run_dir: Path, n: int = 4, policy: str = "proposed", status: str | None = "complete",
+              slow: float = 1.5, planned: int | None = None, seed: int = 0, **meta) -> Path:
+    """A run directory as `multispin run` leaves it; status None: still "running" (no summary.json)."""
+    rec = RunRecorder(run_dir)
+    rec.write_meta({"name": "emulation", "policy": policy, "rounds": planned or n, "seed": seed},
+                   status="running", **meta)
+    records = synth_records(n, policy, slow)
+    for r in records:
+        rec.append_round(r)
+    if status is not None:
+        rec.end_run(status, "done" if status == "complete" else "every device left", report.summarize(records))
+    rec.close()
+    return run_dir
+
+
+# -- overrides and config ------------------------------------------------------------------------------
+
+def test_set_takes_list_indexes_device_names_and_yaml_values():
+    ovs = parse_set(["scenario.devices.0.distance_m=50", "scenario.devices.dev1.acceptance=0.7",
+                     "deadline_s=5", "prompts=[hello, world]", "channel.state=null"])
+    p = load_profile("emulation", ovs)
+    devs = {d["name"]: d for d in p.scenario["devices"]}
+    assert devs["dev0"]["distance_m"] == 50 and devs["dev1"]["acceptance"] == 0.7
+    assert p.deadline_s == 5.0 and p.prompts == ["hello", "world"] and p.channel.state is None
+    # A negative index counts from the end; the library's dict form still works.
+    assert load_profile("emulation", parse_set(["scenario.devices.-1.distance_m=42"])).scenario["devices"][3][
+        "distance_m"] == 42
+    assert load_profile({"scenario": SCEN}, {"scenario.devices.b.draft_time_s": 0.5}).scenario["devices"][1][
+        "draft_time_s"] == 0.5
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--rounds", "0"], "--rounds 0: must be >= 1"),
+    (["--policy", "propsed"], "--policy propsed: unknown policy; did you mean proposed?"),
+    (["--seed", "-1"], "--seed -1: must be >= 0"),
+    (["--set", "deadline=5"], "--set deadline=5: unknown key 'deadline' in a profile; did you mean deadline_s?"),
+    (["--set", "scenario.devices.9.distance_m=5"], "index 9 is out of range: scenario.devices has 4 entries"),
+    (["--set", "scenario.devices.dev9.distance_m=5"], "scenario.devices has no entry 'dev9'"),
+    (["--set", "scenario.devices.dev0.acceptence=0.5"], "unknown key 'acceptence' under scenario.devices.0; did "
+                                                        "you mean acceptance?"),
+    (["--set", "scenario.devices.dev0.acceptance=1.5"], "--set scenario.devices.dev0.acceptance=1.5: must be in "
+                                                        "(0, 1)"),
+    (["--set", "channel.mode=fast"], "--set channel.mode=fast: must be one of"),
+    (["--set", "channel={mod: real}"], "channel.mod: 'real' is not allowed: unknown field; did you mean mode?"),
+    (["--set", "rounds.x=1"], "rounds is a value (80), not a section"),
+    (["--set", "novalue"], "expected KEY=VALUE"),
+])
+def test_flag_errors_name_the_flag_not_the_file(argv, expected, capsys):
+    assert main(["run", *argv, "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "emulation.yaml" not in err and "Traceback" not in err
+
+
+def test_errors_in_the_file_name_the_file_with_a_did_you_mean(tmp_path):
+    prof = tmp_path / "mine.yaml"
+    prof.write_text(yaml.safe_dump({"scenario": SCEN, "deadlin_s": 3, "policy": "all_ul"}))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(prof)
+    text = str(exc.value)
+    assert text.startswith(f"{prof}:") and "deadlin_s: 3 is not allowed: unknown field; did you mean deadline_s?" \
+        in text and "did you mean all-ul?" in text
+    # Both at once: the flag's problem by its flag, the file's under the file.
+    with pytest.raises(ProfileError) as exc:
+        load_profile(prof, [Override("rounds", 0, "--rounds 0")])
+    assert "--rounds 0: must be >= 1" in str(exc.value) and f"{prof}:" in str(exc.value)
+
+
+def test_print_config_prints_the_resolved_profile(capsys):
+    assert main(["run", "--set", "scenario.devices.dev2.distance_m=77", "--rounds", "3", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    cfg = yaml.safe_load(out)
+    assert cfg["rounds"] == 3 and cfg["name"] == "emulation"
+    assert [d["distance_m"] for d in cfg["scenario"]["devices"]] == [60, 180, 77, 450]
+    assert cfg["channel"]["spin_s"] == 0.0005  # defaults are filled in
+    assert load_profile(yaml.safe_load(out)).rounds == 3  # what it prints loads back
+    assert main(["compare", "lan", "--print-config"]) == 0 and "deployment: lan" in capsys.readouterr().out
+    assert main(["edge", "--profile", "lan", "--print-config"]) == 0
+
+
+def test_one_profile_resolution_for_every_command(capsys):
+    assert find_profile("emulation").name == "emulation.yaml"
+    assert find_profile("default").parent.name == "scenarios"
+    assert find_profile("profiles/lan.yaml").name == "lan.yaml"  # the README's paths, from any folder
+    with pytest.raises(ProfileError, match="did you mean emulation"):
+        find_profile("emulaton")
+    with pytest.raises(ProfileError, match="is a scenario file, not a run profile"):
+        load_profile("default")
+    # plan takes names, and a run profile's scenario: section (whose `rounds` is not the scenario's).
+    assert main(["plan", "emulation", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)["devices"]) == 4 and "is a run profile" in captured.err
+    assert main(["plan", "example-two-devices"]) == 0
+    assert main(["plan", "emulaton"]) == 2 and "did you mean emulation" in capsys.readouterr().err
+
+
+def test_did_you_mean_on_policies_of_every_command(tmp_path, capsys):
+    assert main(["plan", "default", "--policy", "al-dl"]) == 2
+    assert "did you mean all-dl?" in capsys.readouterr().err
+    assert main(["simulate", "--sweep", "devices=2", "--policies", "proposed,al-ul", "--out", str(tmp_path / "s"),
+                 "--no-progress"]) == 2
+    assert "unknown policy 'al-ul'; did you mean all-ul?" in capsys.readouterr().err
+    assert main(["compare", "--policies", "proposd", "--print-config"]) == 2
+    assert "did you mean proposed?" in capsys.readouterr().err
+
+
+def test_fixed_length_clamped_or_ignored_is_warned(capsys):
+    assert main(["plan", "default", "--policy", "fixed-length", "--fixed-length", "99", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "--fixed-length 99 is clamped to max_draft_len 12" in captured.err
+    assert json.loads(captured.out)["devices"][0]["draft_len"] == 12
+    assert main(["plan", "default", "--fixed-length", "3"]) == 0
+    assert "--fixed-length 3 is ignored" in capsys.readouterr().err
+    assert main(["plan", "default", "--policy", "fixed-length", "--fixed-length", "3"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert fixed_length_notes(None, ["proposed"], 8) == []
+    assert main(["run", "--set", "fixed_length=20", "--policy", "fixed-length", "--print-config"]) == 0
+    assert "--set fixed_length=20 is clamped to max_draft_len 8" in capsys.readouterr().err
+
+
+def test_run_of_a_lan_profile_says_what_it_waits_for(tmp_path, monkeypatch, capsys):
+    import testbed.commands.run as run_cmd
+
+    seen = {}
+    monkeypatch.setattr(run_cmd, "execute", lambda args, profile, run_dir, **kw: seen.setdefault("dir", run_dir) and 0)
+    runs = tmp_path / "runs"
+    # Without keys a LAN profile is refused before a run directory is made.
+    assert main(["run", "lan", "--runs-dir", str(runs)]) == 2
+    assert "security:" in capsys.readouterr().err and not runs.exists()
+    assert main(["run", "lan", "--set", "security=insecure", "--runs-dir", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert "waiting up to 600 s for 2 device(s) dev0, dev1 to connect to tcp://0.0.0.0:5600" in out
+    assert "multispin device --connect tcp://0.0.0.0:5600 --name dev0" in out and seen["dir"].parent == runs
+
+
+# -- runs, report A B, compare -----------------------------------------------------------------------------
+
+@pytest.fixture
+def runs_dir(tmp_path) -> Path:
+    root = tmp_path / "runs"
+    synth_run(root / "20250101-100000-proposed", 6, slow=1.25)
+    synth_run(root / "20250101-110000-all-dl", 4, "all-dl", slow=2.0)
+    synth_run(root / "20250101-120000-proposed", 2, status=None, planned=40, pid=2 ** 22 + 12345,
+              host=__import__("socket").gethostname())  # "running", but no such process: died
+    synth_run(root / "20250101-130000-proposed", 1, status="failed")
+    (root / "20250101-140000-proposed").mkdir()  # killed before its first round: meta.json only
+    (root / "20250101-140000-proposed" / "meta.json").write_text(json.dumps({"status": "interrupted",
+                                                                             "profile": {"name": "lan"}}))
+    (root / "notes").mkdir()  # not a run: skipped
+    cmp = root / "20250101-150000-compare"
+    for r in range(2):
+        for policy, slow in (("proposed", 1.2), ("all-ul", 1.8)):
+            synth_run(cmp / f"{policy}-rep{r}", 3, policy, slow=slow * (1 + 0.1 * r), seed=r)
+    (cmp / "compare.json").write_text(json.dumps({"policies": ["proposed", "all-ul"], "repeats": 2}))
+    return root
+
+
+def test_runs_lists_every_run_with_status_and_goodput(runs_dir, capsys):
+    assert main(["runs", str(runs_dir)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "measured" in lines[0] and "[tok/s]" in lines[1]
+    body = [ln for ln in lines if ln.startswith("2025-01-01")]
+    assert len(body) == 5 + 4  # five runs, four in the compare directory
+    by_name = {ln.split()[-1].split("/")[-1]: ln for ln in body}
+    assert "complete" in by_name["20250101-100000-proposed"] and " 6/6 " in by_name["20250101-100000-proposed"]
+    assert "died" in by_name["20250101-120000-proposed"] and "2/40" in by_name["20250101-120000-proposed"]
+    assert "failed" in by_name["20250101-130000-proposed"]
+    assert "interrupted" in by_name["20250101-140000-proposed"] and " - " in by_name["20250101-140000-proposed"]
+    assert "20250101-150000-compare/proposed-rep0" in out and "every device left" in out
+    s = report.summarize(synth_records(6, slow=1.25))
+    assert f"{s['goodput_run_tps']['measured']:.2f}" in by_name["20250101-100000-proposed"]
+    assert main(["runs", str(runs_dir), "--json", "--last", "2"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [Path(x["path"]).name for x in listed] == ["all-ul-rep0", "all-ul-rep1"]  # compare.json's order
+    assert main(["runs", str(runs_dir / "nope")]) == 2
+    capsys.readouterr()
+    assert main(["report", str(runs_dir)]) == 2  # a folder of unrelated runs is no comparison
+    assert f"multispin runs {runs_dir}" in capsys.readouterr().err
+
+
+def test_report_of_two_runs_side_by_side(runs_dir, capsys):
+    a, b = runs_dir / "20250101-100000-proposed", runs_dir / "20250101-110000-all-dl"
+    assert main(["report", str(a), str(b), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    head = out.splitlines()[0]
+    assert a.name in head and b.name in head
+    row = next(ln for ln in out.splitlines() if ln.startswith("goodput measured [tok/s]"))
+    ga = report.summarize(synth_records(6, slow=1.25))["goodput_run_tps"]["measured"]
+    gb = report.summarize(synth_records(4, "all-dl", slow=2.0))["goodput_run_tps"]["measured"]
+    assert row.split()[-2:] == [f"{ga:.2f}", f"{gb:.2f}"]
+    assert "policy" in out and "all-dl" in out and "vs proposed" in out
+    assert main(["report", str(a), "--json", "--no-plots", str(b)]) == 0  # runs on both sides of an option
+    assert len(json.loads(capsys.readouterr().out)["runs"]) == 2
+
+
+def test_report_of_a_compare_directory(runs_dir, capsys):
+    cmp = runs_dir / "20250101-150000-compare"
+    assert main(["report", str(cmp)]) == 0
+    out = capsys.readouterr().out
+    assert "proposed-rep0" in out.splitlines()[0] and "no round records" not in out
+    agg = [ln for ln in out.splitlines() if ln.startswith(("proposed ", "all-ul "))]
+    assert len(agg) == 2 and all("±" in ln for ln in agg) and agg[0].startswith("proposed")
+    assert (cmp / "plots" / "compare_goodput.png").stat().st_size > 5000
+
+
+def test_compare_with_repeats_gives_the_spread_and_its_plot(tmp_path, monkeypatch, capsys):
+    import testbed.launcher as launcher
+
+    calls = []
+
+    def fake_run_live(profile, run_dir, progress=True, pair=None, **kw):
+        calls.append((profile.policy, profile.seed))
+        synth_run(run_dir, 3, profile.policy, slow=1.2 + 0.1 * profile.seed + (profile.policy == "all-ul"),
+                  seed=profile.seed)
+        return json.loads((run_dir / "summary.json").read_text())
+
+    monkeypatch.setattr(launcher, "run_live", fake_run_live)
+    monkeypatch.setattr(launcher, "resolve_pair", lambda profile, progress=True: {})
+    monkeypatch.setattr(launcher, "require_edge_extra", lambda: None)
+    assert main(["compare", "--policies", "proposed,all-ul", "--repeats", "3", "--seed", "5", "--runs-dir",
+                 str(tmp_path), "--quiet"]) == 0
+    assert calls == [("proposed", 5), ("all-ul", 5), ("proposed", 6), ("all-ul", 6), ("proposed", 7), ("all-ul", 7)]
+    parent = next(tmp_path.glob("*-compare"))
+    data = json.loads((parent / "compare.json").read_text())
+    per = {r["policy"]: r for r in data["per_policy"]}
+    assert per["proposed"]["runs"] == 3 and per["proposed"]["measured_std_tps"] > 0
+    assert per["proposed"]["measured_mean_tps"] > per["all-ul"]["measured_mean_tps"]
+    assert (parent / "plots" / "compare_goodput.png").is_file()
+    assert (parent / "proposed-rep2" / "plots" / "timeline.png").is_file()
+    out = capsys.readouterr().out
+    assert "mean ± sample standard deviation" in out
+    assert main(["report", str(parent), "--no-plots"]) == 0
+
+
+# -- the flat export -------------------------------------------------------------------------------------
+
+def test_csv_has_one_row_per_device_and_round(runs_dir, capsys):
+    run = runs_dir / "20250101-100000-proposed"
+    assert main(["report", str(run), "--csv"]) == 0
+    with open(run / "rounds.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 6 * 2
+    cols = list(rows[0])
+    assert cols[:4] == ["round", "device", "mode", "draft_len"]
+    first = {c.split("_")[0] for c in cols}
+    assert {"predicted", "measured", "estimate", "round"} <= first
+    assert cols.index("predicted_draft_s") < cols.index("measured_draft_s") < cols.index("round_measured_round_s")
+    assert {"predicted_ul_air_s", "measured_ul_air_s", "round_predicted_goodput_tps", "round_time_base"} <= set(cols)
+    assert [(r["round"], r["device"]) for r in rows[:3]] == [("0", "a"), ("0", "b"), ("1", "a")]
+    rec = synth_records(6, slow=1.25)[0]
+    assert float(rows[0]["predicted_draft_s"]) == pytest.approx(rec["devices"]["a"]["predicted"]["draft_s"])
+    # stdout, and several runs into one file with a run column
+    capsys.readouterr()
+    assert main(["report", str(run), "--csv", "-"]) == 0
+    assert capsys.readouterr().out.startswith("round,device,mode,draft_len,")
+    out = runs_dir.parent / "all.csv"
+    assert main(["report", str(run), str(runs_dir / "20250101-110000-all-dl"), "--csv", str(out)]) == 0
+    with open(out) as fh:
+        both = list(csv.DictReader(fh))
+    assert len(both) == (6 + 4) * 2 and list(both[0])[0] == "run"
+    assert main(["report", str(run), str(runs_dir / "20250101-110000-all-dl"), "--csv"]) == 2  # where to?
+
+
+def test_export_columns_keep_missed_devices():
+    recs = synth_records(2)
+    recs[1]["devices"]["b"] = {**recs[1]["devices"]["b"], "missed": True, "measured": None}
+    rows = device_rows(recs)
+    assert len(rows) == 4 and rows[3]["missed"] is True and rows[3]["measured"] is None
+    cols = columns(rows)
+    assert cols[:2] == ["round", "device"] and "measured_draft_s" in cols
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    w.writerows(rows)  # every row fits the columns
+
+
+def test_parquet_writes_or_says_what_it_needs(runs_dir, capsys):
+    import importlib.util
+
+    run = runs_dir / "20250101-100000-proposed"
+    rc = main(["report", str(run), "--parquet"])
+    if importlib.util.find_spec("pyarrow") is not None:
+        assert rc == 0 and (run / "rounds.parquet").stat().st_size > 0
+    else:
+        assert rc == 2 and "pyarrow" in capsys.readouterr().err
+
+
+# -- simulate --out, clear errors ------------------------------------------------------------------------
+
+def test_simulate_refuses_a_non_empty_out_and_writes_meta(tmp_path, capsys):
+    out = tmp_path / "sim"
+    args = ["simulate", "--sweep", "devices=2,3", "--drops", "1", "--policies", "proposed,all-dl", "--out", str(out),
+            "--no-progress", "--seed", "3"]
+    assert main([*args, "--monte-carlo", "--rounds", "10"]) == 0
+    assert (out / "monte_carlo.png").is_file()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["seed"] == 3 and meta["argv"] and "git_revision" in meta and meta["version"]
+    assert meta["sweep"] == {"key": "devices", "values": [2, 3]} and meta["created_utc"]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "not empty" in err and "--force" in err
+    (out / "mine.txt").write_text("kept")
+    assert main([*args, "--force"]) == 0
+    # The earlier sweep's Monte Carlo plot is gone; the user's own file stays.
+    assert not (out / "monte_carlo.png").exists() and (out / "mine.txt").read_text() == "kept"
+    assert main(["simulate", "--sweep", "devices=2", "--rounds", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--rounds 0: must be >= 1" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_device_connect_without_a_scheme_says_what_to_write(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["device", "--connect", "127.0.0.1:19070", "--name", "d0", "--draft", "x.onnx"])
+    assert exc.value.code == 2
+    assert "use tcp://HOST:PORT (here: tcp://127.0.0.1:19070)" in capsys.readouterr().err
+
+
+def test_report_piped_into_head_exits_quietly(runs_dir):
+    run = runs_dir / "20250101-100000-proposed"
+    synth_run(run.parent / "long", 120)  # a CSV larger than a pipe's buffer
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "report", str(run.parent / "long"), "--csv", "-"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_quiet_means_warnings_only_and_no_progress_bars(monkeypatch, capsys):
+    root = logging.getLogger()
+    level = root.level
+    for var in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.setenv(var, "")  # restored after the test
+    try:
+        assert main(["run", "--quiet", "--print-config"]) == 0
+        assert root.level == logging.WARNING
+        assert os.environ["TQDM_DISABLE"] == "1" and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    finally:
+        root.setLevel(level)

@@ -77,10 +77,26 @@ def test_virtual_and_real_mode_give_the_same_phase_times(micro_pair, tmp_path):
         assert rv["measured"]["goodput_tps"] == pytest.approx(rv["measured"]["tokens"] / rv["measured"]["round_s"])
     air = np.median([d["measured"]["ul_air_s"] for r in real for d in r["devices"].values()])
     assert 0.02 < air < 0.12  # the channel this test is about: air time dominates
+    misses = _phase_misses(virt, real)
+    if misses:
+        # One more pair of runs before failing: the measured compute of one run can be stretched by another
+        # process on a shared 2-core host (seen in 2 of 14 runs); a real disagreement fails both pairs.
+        for mode in ("virtual", "real"):
+            run_live(_slow_channel_profile(micro_pair, mode), tmp_path / f"{mode}-again", progress=False)
+            runs[mode] = load_run(tmp_path / f"{mode}-again")[1]
+        misses = _phase_misses(runs["virtual"], runs["real"])
+    assert not misses, misses
+
+
+def _phase_misses(virt: list[dict], real: list[dict]) -> list[tuple]:
+    """(phase, virtual median, real median) for each phase whose medians differ by more than 5%."""
+    out = []
     for key in ("uplink_phase_s", "downlink_phase_s", "round_s"):
         mv = float(np.median([r["measured"][key] for r in virt]))
         mr = float(np.median([r["measured"][key] for r in real]))
-        assert mv == pytest.approx(mr, rel=0.05), (key, mv, mr)
+        if mv != pytest.approx(mr, rel=0.05):
+            out.append((key, mv, mr))
+    return out
 
 
 def test_virtual_round_inserts_air_time_where_the_messages_were():

@@ -95,6 +95,11 @@ def _alive(meta: dict) -> bool | None:
     pid, host = meta.get("pid"), meta.get("host")
     if not isinstance(pid, int) or (host and host != socket.gethostname()):
         return None
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -54,6 +54,7 @@ from testbed.launcher import (
 )
 from testbed.profile import Profile, ProfileError, load_profile
 from testbed.records import RunRecorder, iter_rounds
+from testbed.runs_index import pid_alive
 from testbed.security import EDGE_CLIENT, ClientKeys, SecurityError, ServerKeys, require_keys_or_insecure
 
 log = logging.getLogger("multispin.session")
@@ -183,7 +184,7 @@ def load_resume(run_dir: str | Path) -> tuple[Profile, Resume]:
     if status == COMPLETE:
         raise TestbedError(f"{what}: the run is complete; nothing to resume")
     pid = meta.get("pid")
-    if status == "running" and meta.get("host") == platform.node() and isinstance(pid, int) and _alive(pid):
+    if status == "running" and meta.get("host") == platform.node() and isinstance(pid, int) and pid_alive(pid):
         raise TestbedError(f"{what}: the run is still running (pid {pid})")
     try:
         profile = load_profile(meta["profile"])
@@ -201,15 +202,6 @@ def load_resume(run_dir: str | Path) -> tuple[Profile, Resume]:
         raise TestbedError(f"{what}: all {profile.rounds} rounds are recorded; nothing to resume")
     return profile, Resume(run_dir, start, _prior_outputs(run_dir), status)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _prior_outputs(run_dir: Path) -> dict[str, dict]:

@@ -340,29 +340,22 @@ def load_profile(source: str | Path | dict | None = None,
         profile.scenario_obj()
     except ValueError as exc:
         raise ProfileError(f"{origin(('scenario',))}: scenario: {exc}") from None
-    names = set(profile.device_names())
-    unknown = sorted(set(profile.hardware) - names)
-    if unknown:
-        raise ProfileError(f"{origin(('hardware',), ('scenario', 'devices'))}: hardware: device(s) {unknown} not in "
-                           f"scenario.devices {sorted(names)}")
     from device_node.hardware import load_hardware
-
-    for name, hw in profile.hardware.items():
-        try:
-            load_hardware(hw)  # an unknown name fails here, not in a device process minutes later
-        except ValueError as exc:
-            raise ProfileError(f"{origin(('hardware',))}: hardware.{name}: {exc}") from None
     from device_node.link_probe import make_probe
 
-    unknown = sorted(set(profile.link_probe) - names)
-    if unknown:
-        raise ProfileError(f"{origin(('link_probe',))}: link_probe: device(s) {unknown} not in scenario.devices "
-                           f"{sorted(names)}")
-    for name, spec in profile.link_probe.items():
-        try:
-            make_probe(spec)
-        except ValueError as exc:
-            raise ProfileError(f"{origin(('link_probe',))}: link_probe.{name}: {exc}") from None
+    names = set(profile.device_names())
+    # Per-device maps, each value checked here: an unknown name fails now, not in a device process minutes later.
+    for key, per_device, check, also in (("hardware", profile.hardware, load_hardware, (("scenario", "devices"),)),
+                                         ("link_probe", profile.link_probe, make_probe, ())):
+        unknown = sorted(set(per_device) - names)
+        if unknown:
+            raise ProfileError(f"{origin((key,), *also)}: {key}: device(s) {unknown} not in scenario.devices "
+                               f"{sorted(names)}")
+        for name, value in per_device.items():
+            try:
+                check(value)
+            except ValueError as exc:
+                raise ProfileError(f"{origin((key,))}: {key}.{name}: {exc}") from None
     return profile
 
 

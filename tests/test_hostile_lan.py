@@ -12,13 +12,12 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import zmq
-from test_run_lifecycle import CLI, _alive, _children, _kill_all, _profile_data, _wait_rounds
+from test_run_lifecycle import _alive, _children, _kill_all, _profile_data, _start_run, _wait_rounds
 
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
@@ -103,8 +102,7 @@ def _fuzz(endpoints: dict, n: int, seed: int = 0) -> None:
 
 def test_a_fuzzed_lan_does_not_stop_the_run(micro_pair, tmp_path):
     endpoints = _tcp_profile(tmp_path / "p.yaml", micro_pair, rounds=5000)
-    proc = subprocess.Popen([*CLI, "run", str(tmp_path / "p.yaml"), "--runs-dir", str(tmp_path / "runs"),
-                             "--quiet", "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start_run(tmp_path / "p.yaml", tmp_path / "runs")
     children: list[int] = []
     try:
         run_dir = _wait_rounds(tmp_path / "runs", 2, proc)
@@ -134,8 +132,7 @@ def test_a_fuzzed_lan_does_not_stop_the_run(micro_pair, tmp_path):
 
 def test_a_killed_channel_emulator_ends_the_run_cleanly(micro_pair, tmp_path):
     _tcp_profile(tmp_path / "p.yaml", micro_pair, rounds=400)
-    proc = subprocess.Popen([*CLI, "run", str(tmp_path / "p.yaml"), "--runs-dir", str(tmp_path / "runs"),
-                             "--quiet", "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start_run(tmp_path / "p.yaml", tmp_path / "runs")
     children: list[int] = []
     try:
         run_dir = _wait_rounds(tmp_path / "runs", 3, proc)

@@ -14,7 +14,6 @@ which). `load_resume` + ``run_live(..., resume=...)`` continue an interrupted ru
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -303,9 +302,6 @@ def check_endpoints(s: LiveSession) -> None:
             ClientKeys.for_name(p.keys_dir, EDGE_CLIENT)
     except SecurityError as exc:
         raise TestbedError(f"security: {exc}") from None
-    if p.keys_dir and "keys_dir" not in inspect.signature(EdgeServer).parameters:
-        raise TestbedError("security.keys: this edge_node.server.EdgeServer takes no keys_dir, so it cannot "
-                           "serve CURVE; update the edge or run with `security: insecure`")
     check_ports_free(binds)
 
 
@@ -313,7 +309,6 @@ def start_edge(s: LiveSession) -> None:
     p = s.profile
     bind = edge_endpoint(s)
     prompts, texts = edge_prompts(s)
-    extra = {"keys_dir": p.keys_dir} if p.keys_dir else {}
     try:
         s.server = EdgeServer(bind, s.verifier, scenario=s.scenario, controller=s.controller, prompts=prompts,
                               sampling=SamplingParams(**p.sampling.model_dump()), seed=p.seed,
@@ -321,7 +316,7 @@ def start_edge(s: LiveSession) -> None:
                               on_air_vocab_size=p.on_air_vocab_size, vocab_size=s.vocab,
                               channel_mode=p.channel.mode, base_latency_s=p.channel.base_latency_s,
                               recorder=s.recorder, policy=p.policy, prompt_texts=texts,
-                              measure_links=p.channel.measure_links, **extra)
+                              measure_links=p.channel.measure_links, keys_dir=p.keys_dir)
     except zmq.ZMQError as exc:  # a port taken since check_endpoints, or an address not of this host
         hp = tcp_port(bind)
         if exc.errno == zmq.EADDRINUSE and hp is not None:

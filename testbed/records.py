@@ -165,7 +165,6 @@ class RunRecorder:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
         except BaseException as exc:  # ENOSPC, EIO, or a signal mid-write: leave no partial line behind
             try:
                 os.ftruncate(fd, self._size)
@@ -174,9 +173,14 @@ class RunRecorder:
             if isinstance(exc, OSError):
                 raise unwritable(self.dir, exc) from None
             raise
+        # The line is whole and readers may have seen it: a signal during fsync must not cut it back.
         self._size += len(data)
         self.count += 1
         self.last_round = r
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise unwritable(self.dir, exc) from None
 
     def write_outputs(self, outputs: dict) -> None:
         self._write(self.dir / "outputs.json", outputs)

@@ -359,6 +359,22 @@ def test_a_failed_write_leaves_no_torn_line_and_ends_with_a_clear_error(tmp_path
     assert json.loads((tmp_path / "summary.json").read_text()) == {"rounds": 3, "status": "failed", "reason": "why"}
 
 
+def test_a_signal_during_fsync_keeps_the_whole_line_it_interrupted(tmp_path, monkeypatch):
+    # A reader (the user, a test) may already have seen the line: only a partial write is cut back.
+    rec = RunRecorder(tmp_path)
+
+    def interrupted_fsync(fd):
+        raise RunInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(os, "fsync", interrupted_fsync)
+    with pytest.raises(RunInterrupted):
+        rec.append_round({"round": 0, "x": 1})
+    monkeypatch.undo()
+    rec.append_round({"round": 0, "x": 1})  # the retry of the shutdown path is a no-op
+    rec.close()
+    assert (tmp_path / "rounds.jsonl").read_text() == '{"round":0,"x":1}\n'
+
+
 def test_sigterm_raises_run_interrupted_once_then_the_shutdown_is_shielded():
     with interrupt_signals() as guard:
         with pytest.raises(RunInterrupted) as exc:

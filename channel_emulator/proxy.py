@@ -42,7 +42,8 @@ name, only the ``edge`` client may use the control socket, and the DEALERs to th
 ``channel``. Without keys, a ``control_token`` (passed in the environment, never on the command line) must be
 in every control request. Every message is handled under a guard (a bad one is dropped with one log line),
 identities are capped (least recently used idle ones are closed first) and rate-limited, and a message that
-is not charged waits behind the held messages of its own link, so one link's messages stay in order.
+is not charged waits behind the held messages of its own link, so one link's messages stay in order (but a
+``heartbeat``, which carries no state, overtakes them: a long held verdict must not make its peer look dead).
 
 Control (REP at ``control_bind``), JSON requests, JSON replies with ``"ok"``:
     {"type": "configure", "round": r, "dl_access": ..., "base_latency_s": ...,
@@ -200,7 +201,8 @@ class ChannelProxy:
         self.counters = {"passed": 0, "charged": 0, "markers": 0, "stale_markers": 0, "malformed": 0,
                          "refused_identity": 0, "unconfigured": 0, "unknown_peer": 0, "errors": 0,
                          "impersonation": 0, "identity_cap": 0, "reaped": 0, "rate_limited": 0,
-                         "queued_behind": 0, "control_refused": 0, "undeliverable": 0, "forged_annotation": 0}
+                         "queued_behind": 0, "control_refused": 0, "undeliverable": 0, "forged_annotation": 0,
+                         "heartbeat_overtook": 0}
         self.held_on_link: dict[tuple[str, bytes], int] = defaultdict(int)   # held messages per (dir, device)
         self.link_release: dict[tuple[str, bytes], float] = {}               # latest held deadline per link
         self.last_seen: dict[bytes, float] = {}
@@ -298,7 +300,12 @@ class ChannelProxy:
                 self.counters["forged_annotation"] += 1
                 body = list(body)
                 body[h] = annotate_header(body[h].bytes, channel=None)
-            if self.held_on_link[(direction, ident)]:
+            if self.held_on_link[(direction, ident)] and header is not None and header.get("type") == "heartbeat":
+                # A heartbeat carries no state, and held behind a long verdict it would make the peer look
+                # dead (a verdict held past the liveness window ended every session): it overtakes.
+                self.counters["heartbeat_overtook"] += 1
+                self._send(direction, ident, body)
+            elif self.held_on_link[(direction, ident)]:
                 # Behind a held message of the same link (e.g. the next schedule behind a verdict): keep order.
                 self.counters["queued_behind"] += 1
                 self._hold(self.link_release[(direction, ident)], direction, ident, body, h, t_arr, t_arr, None)

@@ -1,6 +1,9 @@
 """Channel state: the power gain g_k (dB) of every device per round, modeled, replayed or measured.
 
-Sources (``cfg["source"]``):
+Sources (``cfg["source"]``), each an implementation of `channel_emulator.source.ChannelSource` (per round,
+one `LinkState` per device: a gain, an SNR, fixed rates); a plug-in source is named by ``module:Class`` or a
+``multispin.channels`` entry point and resolved by the caller (``from_config(..., resolve=...)``, see
+`testbed.plugins`):
 - ``model``: path loss (``testbed.core.radio.path_loss_db``) + log-normal shadowing (sigma dB, one draw per
   device) + Rayleigh block fading (exponential power gain, redrawn per round) + mobility (distance over
   time). Every draw is seeded by (seed, device name[, round]) so results do not depend on query order.
@@ -38,11 +41,17 @@ from typing import Any
 
 import numpy as np
 
+from channel_emulator.source import ChannelSource, LinkState
 from channel_emulator.traces import Series, TraceError, detect_format, load_entry, load_snr_csv
 from testbed import PROFILES_DIR
 from testbed.core import radio
 
-SOURCES = ("model", "trace", "live")
+# The built-in sources (name -> what it is); any other name is a plug-in's (`from_config`'s `resolve`).
+SOURCES = {
+    "model": "path loss + log-normal shadowing + Rayleigh block fading + mobility",
+    "trace": "replayed SNR or rate traces per device (snr_csv, throughput_csv, Mahimahi, UCC, Lumos5G)",
+    "live": "the latest SNR each device's link probe reported, with a staleness fallback",
+}
 FADING = ("rayleigh", "none")
 MOBILITY = ("none", "linear", "random_waypoint")
 TRACE_INDEX = ("time", "round")
@@ -149,6 +158,9 @@ class ModelSource:
             g += 10.0 * math.log10(max(h, 1e-12))
         return g
 
+    def link_states(self, round_index: int, t_s: float) -> dict[str, LinkState]:
+        return {n: LinkState(gain_db=self.gain_db(n, round_index, t_s)) for n in self.mobility}
+
 
 def load_snr_trace(path: str | Path) -> dict[str, list[tuple[float, float]]]:
     """Read ``time_s,device,snr_db`` (header required; ``time`` accepted for ``time_s``)."""
@@ -238,6 +250,15 @@ class TraceSource:
         s = self.series[name].get(direction)
         return None if s is None else self._value(s, round_index, t_s)
 
+    def link_states(self, round_index: int, t_s: float) -> dict[str, LinkState]:
+        return {n: LinkState(snr_db=self.snr_db(n, round_index, t_s),
+                             ul_rate_bps=self.rate_bps(n, "ul", round_index, t_s),
+                             dl_rate_bps=self.rate_bps(n, "dl", round_index, t_s)) for n in self.series}
+
+    @property
+    def fixed_rates(self) -> dict[str, dict[str, bool]]:
+        return {n: {d: d in self.series[n] for d in ("ul", "dl")} for n in self.series}
+
 
 class ProcNetWirelessReader:
     """Live SNR of a Linux wireless interface from /proc/net/wireless (signal level minus noise, dB)."""
@@ -287,26 +308,83 @@ def _finite(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
+class LiveSource:
+    """The SNR each device last reported (`report`), with a staleness rule: ``max_age_s`` (None: never stale)
+    and ``fallback`` (``model``: the mean path loss; ``last``: the last reading however old; ``drop``: the
+    device is left out of the round)."""
+
+    def __init__(self, names: list[str], max_age_s: float | None, fallback: str, model: ModelSource | None,
+                 gain_to_snr_db):
+        self.names, self.max_age_s, self.fallback = list(names), max_age_s, fallback
+        self._model, self._gain_to_snr_db = model, gain_to_snr_db
+        self._live: dict[str, LiveReading] = {}
+        self._errors: dict[str, str] = {}
+        self._used: dict[str, dict] = {}
+        self.last_t_s = 0.0
+
+    def report(self, name: str, snr_db: float | None, t_s: float | None, probe: str | None = None,
+               error: str | None = None) -> bool:
+        """Store a reading (``t_s`` None: the last round's time); an SNR of None keeps the previous reading
+        and records `error`."""
+        if snr_db is None:
+            self._errors[name] = error or "the measurement carries no SNR"
+            return False
+        self._live[name] = LiveReading(float(snr_db), self.last_t_s if t_s is None else float(t_s), probe)
+        self._errors.pop(name, None)
+        return True
+
+    def used(self, name: str) -> dict | None:
+        return self._used.get(name)
+
+    def link_states(self, round_index: int, t_s: float) -> dict[str, LinkState]:
+        self.last_t_s = float(t_s)
+        out = {}
+        for name in self.names:
+            reading = self._live.get(name)
+            age = None if reading is None else max(0.0, t_s - reading.t_s)
+            fresh = reading is not None and (self.max_age_s is None or age <= self.max_age_s)
+            used = {"round": int(round_index), "age_s": age, "probe": reading.probe if reading else None,
+                    "error": self._errors.get(name)}
+            if reading is not None and (fresh or self.fallback == "last"):
+                used.update(value=reading.snr_db, source="live" if fresh else "last")
+                out[name] = LinkState(snr_db=reading.snr_db)
+            elif self.fallback == "drop":
+                used.update(value=None, source="drop")  # left out of this round
+            elif self._model is not None and name in self._model.mobility:
+                gain = self._model.gain_db(name, round_index, t_s)  # path loss until a fresh reading comes
+                used.update(value=self._gain_to_snr_db(name, gain), source="model")
+                out[name] = LinkState(gain_db=gain)
+            else:
+                why = "no SNR reported yet" if reading is None else f"its reading is {age:.3g} s old"
+                raise ValueError(f"live channel: {why} for {name!r} and no distance_m to fall back on")
+            self._used[name] = used
+        return out
+
+
+_STATE_FIELDS = ("gain_db", "snr_db", "ul_rate_bps", "dl_rate_bps")
+
+
 class ChannelState:
-    """Per-round channel gains in dB for every device, and for trace-driven links the fixed rates."""
+    """Per-round channel gains in dB for every device, and for rate-fixing sources (a rate trace, a plug-in
+    giving rates) the fixed rates. `source` names the `ChannelSource` that gives the per-round states."""
 
     def __init__(self, source: str, devices: list[dict], impl, noise_w_hz: float,
                  snr_ref: dict[str, tuple[float, float]], fallback: ModelSource | None = None, *,
-                 live_max_age_s: float | None = None, live_fallback: str = "model", min_rate_bps: float = 1e4):
+                 min_rate_bps: float = 1e4):
         self.source, self.devices, self._impl = source, [d["name"] for d in devices], impl
         self.noise_w_hz, self._snr_ref, self._fallback = noise_w_hz, snr_ref, fallback
-        self.live_max_age_s, self.live_fallback, self.min_rate_bps = live_max_age_s, live_fallback, min_rate_bps
-        self._live: dict[str, LiveReading] = {}
-        self._live_errors: dict[str, str] = {}
-        self._live_used: dict[str, dict] = {}
-        self._last_t_s = 0.0
+        self.min_rate_bps = min_rate_bps
+        self._cached: tuple[tuple[int, float], dict[str, LinkState]] | None = None
 
     @classmethod
-    def from_config(cls, cfg: dict, devices: list[dict]) -> ChannelState:
+    def from_config(cls, cfg: dict, devices: list[dict], resolve=None) -> ChannelState:
+        """The state of ``cfg["source"]``: a built-in source (`SOURCES`), else ``resolve(name)`` gives the
+        plug-in's class or factory, built as ``factory(cfg, devices)`` (`channel_emulator.source`)."""
         cfg = dict(cfg or {})
         source = cfg.get("source", "model")
-        if source not in SOURCES:
-            raise _bad("source", source, ", ".join(SOURCES))
+        if not isinstance(source, str) or (source not in SOURCES and resolve is None):
+            raise _bad("source", source, ", ".join(SOURCES) + " (a plug-in's module:Class or entry point name "
+                                         "where plug-ins are loaded: multispin run, plan, simulate)")
         names = [d.get("name") for d in devices]
         if any(not isinstance(n, str) or not n for n in names) or len(set(names)) != len(names):
             raise _bad("devices[].name", names, "unique non-empty strings")
@@ -341,6 +419,7 @@ class ChannelState:
         if placed and source != "model":
             # The mean path loss (no fading, no shadowing) stands in where no reading or trace gives a gain.
             fallback = ModelSource({**cfg, "fading": "none", "shadowing_sigma_db": 0.0}, placed)
+        state = cls(source, devices, None, noise, snr_ref, fallback, min_rate_bps=float(min_rate))
         if source == "model":
             impl = ModelSource(cfg, devices)
         elif source == "trace":
@@ -350,10 +429,23 @@ class ChannelState:
             if blind:
                 raise ValueError(f"trace channel: devices {blind} have neither an snr nor a ul trace, nor a "
                                  "distance_m to fall back on; give them a trace or a distance")
+        elif source == "live":
+            impl = LiveSource(names, None if max_age is None else float(max_age), live_fallback, fallback,
+                              state.gain_to_snr_db)
         else:
-            impl = None
-        return cls(source, devices, impl, noise, snr_ref, fallback, live_max_age_s=None if max_age is None
-                   else float(max_age), live_fallback=live_fallback, min_rate_bps=float(min_rate))
+            factory = resolve(source)
+            try:
+                impl = factory(cfg, [dict(d) for d in devices])
+            except ValueError:
+                raise  # the source's own message about its configuration
+            except Exception as exc:
+                raise ValueError(f"channel source {source!r}: building it with (cfg, devices) failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            if not isinstance(impl, ChannelSource):
+                raise ValueError(f"channel source {source!r}: {type(impl).__name__} does not satisfy the "
+                                 "ChannelSource interface: no method link_states(round_index, t_s)")
+        state._impl = impl
+        return state
 
     def snr_to_gain_db(self, name: str, snr_db: float) -> float:
         # snr = p g / (N0 B)  =>  g_dB = snr_dB - p_dBW + 10 log10(N0 B)
@@ -373,100 +465,102 @@ class ChannelState:
 
     # -- live readings -----------------------------------------------------------------------------
     def report_live(self, name: str, measurement: Any, t_s: float | None = None) -> bool:
-        """Store a device's reading: an SNR in dB (a number), or a measurement with ``snr_db`` (or
-        ``signal_dbm`` and ``noise_dbm``) and ``source`` fields (a mapping or an object such as
+        """Store a device's reading (``source: live``): an SNR in dB (a number), or a measurement with
+        ``snr_db`` (or ``signal_dbm`` and ``noise_dbm``) and ``source`` fields (a mapping or an object such as
         ``device_node.link_probe.LinkMeasurement``). ``t_s``: when it was measured, on this state's clock
         (the edge converts the device's reported age); None = the latest ``t_s`` given to `gains_db`.
 
         A measurement without a usable SNR (a failed probe) is kept as an error and returns False; the
-        previous reading stays. A bare number that is not finite raises ValueError, as does an unknown name.
+        previous reading stays. A bare number that is not finite raises ValueError, as does an unknown name
+        or a source that takes no readings.
         """
         if name not in self._snr_ref:
             raise ValueError(f"report_live: device {name!r} unknown; allowed: {self.devices}")
-        when = self._last_t_s if t_s is None else float(t_s)
+        if not isinstance(self._impl, LiveSource):
+            raise ValueError(f"report_live: channel source {self.source!r} takes no live readings (source: live does)")
+        self._cached = None  # a new reading changes this round's states
         if isinstance(measurement, (int, float)) and not isinstance(measurement, bool):
             if not math.isfinite(float(measurement)):
                 raise ValueError(f"report_live: snr_db={measurement!r} for {name!r}; allowed: a finite number")
-            self._live[name] = LiveReading(float(measurement), when, None)
-            return True
+            return self._impl.report(name, float(measurement), t_s)
         snr = _finite(_field(measurement, "snr_db"))
         if snr is None:
             sig, noise = _finite(_field(measurement, "signal_dbm")), _finite(_field(measurement, "noise_dbm"))
             snr = None if sig is None or noise is None else sig - noise
-        if snr is None:
-            self._live_errors[name] = str(_field(measurement, "error") or "the measurement carries no SNR")
-            return False
-        self._live[name] = LiveReading(snr, when, _field(measurement, "source"))
-        self._live_errors.pop(name, None)
-        return True
+        return self._impl.report(name, snr, t_s, _field(measurement, "source"),
+                                 None if snr is not None else str(_field(measurement, "error") or ""))
 
     def live_used(self, name: str) -> dict | None:
         """What the last `gains_db` call used for a device (live source): ``value`` (SNR dB, None when
         dropped), ``age_s`` of the reading (None without one), ``source`` (``live``: a fresh reading;
         ``last``: a stale one kept by ``fallback: last``; ``model``: path loss; ``drop``: left out),
         ``probe`` (the reading's probe), ``round`` and the last probe ``error`` if any."""
-        return self._live_used.get(name)
+        return self._impl.used(name) if isinstance(self._impl, LiveSource) else None
 
     # -- per round ---------------------------------------------------------------------------------
-    def _live_gain(self, name: str, round_index: int, t_s: float) -> float | None:
-        reading = self._live.get(name)
-        age = None if reading is None else max(0.0, t_s - reading.t_s)
-        fresh = reading is not None and (self.live_max_age_s is None or age <= self.live_max_age_s)
-        used = {"round": int(round_index), "age_s": age, "probe": reading.probe if reading else None,
-                "error": self._live_errors.get(name)}
-        gain = None
-        if reading is not None and (fresh or self.live_fallback == "last"):
-            used.update(value=reading.snr_db, source="live" if fresh else "last")
-            gain = self.snr_to_gain_db(name, reading.snr_db)
-        elif self.live_fallback == "drop":
-            used.update(value=None, source="drop")
-        elif self._fallback is not None and name in self._fallback.mobility:
-            gain = self._fallback.gain_db(name, round_index, t_s)  # path loss until a fresh reading comes
-            used.update(value=self.gain_to_snr_db(name, gain), source="model")
-        else:
-            why = "no SNR reported yet" if reading is None else f"its reading is {age:.3g} s old"
-            raise ValueError(f"live channel: {why} for {name!r} and no distance_m to fall back on")
-        self._live_used[name] = used
-        return gain
+    def link_states(self, round_index: int, t_s: float) -> dict[str, LinkState]:
+        """The source's states of this round, checked (one call per round and time: `gains_db` and
+        `rate_override_bps` of one plan see the same states)."""
+        key = (int(round_index), float(t_s))
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        states = self._impl.link_states(round_index, t_s)
+        where = f"channel source {self.source!r}, round {round_index}"
+        if not isinstance(states, Mapping):
+            raise ValueError(f"{where}: link_states returned {type(states).__name__}, not a mapping device -> "
+                             "LinkState")
+        strangers = sorted(set(states) - set(self.devices), key=str)
+        if strangers:
+            raise ValueError(f"{where}: devices {strangers} are not in the scenario ({self.devices})")
+        for name, st in states.items():
+            if not isinstance(st, LinkState):
+                raise ValueError(f"{where}: the state of {name!r} is {type(st).__name__}, not a LinkState")
+            for f in _STATE_FIELDS:
+                v = getattr(st, f)
+                if v is not None and (_finite(v) is None or isinstance(v, bool)):
+                    raise ValueError(f"{where}: {name}.{f} = {v!r}; allowed: a finite number or None")
+            for f in ("ul_rate_bps", "dl_rate_bps"):
+                if getattr(st, f) is not None and getattr(st, f) < 0:
+                    raise ValueError(f"{where}: {name}.{f} = {getattr(st, f)!r}; allowed: a rate in bit/s >= 0")
+        missing = [n for n in self.devices if n not in states]
+        if missing and self.source != "live":  # only the live source leaves devices out (fallback: drop)
+            raise ValueError(f"{where}: no state for devices {missing}; a source gives every device a LinkState")
+        self._cached = (key, dict(states))
+        return self._cached[1]
 
     def gains_db(self, round_index: int, t_s: float) -> dict[str, float]:
         """Gain (dB) per device for this round. With ``source: live`` and ``fallback: drop``, a device
         without a fresh reading is left out of the result."""
-        self._last_t_s = float(t_s)
         out = {}
-        for name in self.devices:
-            if self.source == "model":
-                out[name] = self._impl.gain_db(name, round_index, t_s)
-            elif self.source == "trace":
-                snr = self._impl.snr_db(name, round_index, t_s)
-                ul = self._impl.rate_bps(name, "ul", round_index, t_s)
-                if snr is not None:
-                    out[name] = self.snr_to_gain_db(name, snr)
-                elif ul is not None:  # the gain that gives the trace's UL rate at the reference power
-                    out[name] = self.rate_to_gain_db(name, max(ul, self.min_rate_bps))
-                else:
-                    out[name] = self._fallback.gain_db(name, round_index, t_s)
+        for name, st in self.link_states(round_index, t_s).items():
+            if st.gain_db is not None:
+                out[name] = float(st.gain_db)
+            elif st.snr_db is not None:
+                out[name] = self.snr_to_gain_db(name, float(st.snr_db))
+            elif st.ul_rate_bps is not None:  # the gain that gives the fixed UL rate at the reference power
+                out[name] = self.rate_to_gain_db(name, max(float(st.ul_rate_bps), self.min_rate_bps))
+            elif self._fallback is not None and name in self._fallback.mobility:
+                out[name] = self._fallback.gain_db(name, round_index, t_s)
             else:
-                g = self._live_gain(name, round_index, t_s)
-                if g is not None:
-                    out[name] = g
-        return out
+                raise ValueError(f"channel source {self.source!r}, round {round_index}: {name!r} has neither a "
+                                 "gain, an SNR nor a UL rate, and no distance_m to fall back on")
+        return {n: out[n] for n in self.devices if n in out}
 
     @property
     def fixed_rates(self) -> dict[str, dict[str, bool]]:
-        """Per device and direction: True where a rate trace fixes the rate (power control has no effect)."""
-        series = self._impl.series if self.source == "trace" else {}
-        return {n: {d: d in series.get(n, {}) for d in ("ul", "dl")} for n in self.devices}
+        """Per device and direction: True where a rate trace fixes the rate (power control has no effect);
+        a plug-in's rates are known only round by round (False here)."""
+        known = getattr(self._impl, "fixed_rates", None) if self.source == "trace" else None
+        return {n: dict((known or {}).get(n) or {"ul": False, "dl": False}) for n in self.devices}
 
     def rate_override_bps(self, round_index: int, t_s: float) -> dict[str, dict[str, float | None]]:
-        """Per device ``{"ul": bit/s or None, "dl": bit/s or None}``: the replayed rate where a rate trace
-        fixes it (floored at ``trace.min_rate_bps``, default 10 kbit/s, so that an outage is a long air
+        """Per device ``{"ul": bit/s or None, "dl": bit/s or None}``: the rate where the source fixes it (a
+        rate trace; floored at ``trace.min_rate_bps``, default 10 kbit/s, so that an outage is a long air
         time, not a division by zero), None where the rate follows from the gain and the planned power."""
+        states = self.link_states(round_index, t_s)
         out: dict[str, dict[str, float | None]] = {}
         for n in self.devices:
-            out[n] = {"ul": None, "dl": None}
-            if self.source == "trace":
-                for d in ("ul", "dl"):
-                    r = self._impl.rate_bps(n, d, round_index, t_s)
-                    out[n][d] = None if r is None else max(r, self.min_rate_bps)
+            st = states.get(n) or LinkState()
+            out[n] = {d: None if r is None else max(float(r), self.min_rate_bps)
+                      for d, r in (("ul", st.ul_rate_bps), ("dl", st.dl_rate_bps))}
         return out

@@ -11,6 +11,7 @@ the accepted prefix, so a rejected round costs no recomputation. `OnnxDrafter` i
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -57,6 +58,14 @@ class OnnxDrafter:
         self._cache, self._cached, self._pending, self._context = self._empty_cache(), [], [], []
         self._last_drafts: list[int] | None = None
         self.last_logits: np.ndarray | None = None
+
+    def share(self) -> OnnxDrafter:
+        """A drafter on this one's onnxruntime session with a context of its own (empty until `reset`): the
+        devices of one process (`device_node.host`) load the model once. `InferenceSession.run` is thread-safe."""
+        twin = copy.copy(self)  # the session and the model's shapes; the state is replaced below
+        twin._cache, twin._cached, twin._pending, twin._context = twin._empty_cache(), [], [], []
+        twin._last_drafts, twin.last_logits = None, None
+        return twin
 
     def _empty_cache(self) -> list[np.ndarray]:
         return [np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32) for _ in self._past_names]

@@ -17,6 +17,10 @@ Robustness (a LAN is shared, edges restart):
   ``liveness`` periods; with ``reconnect`` it reopens the socket and registers again until the edge returns;
 - with client keys (``--keys``, `testbed.security`) the socket is a CURVE client of the edge (or emulator).
 
+Several devices in one process (`device_node.host`, a profile's ``devices_per_process``): each is a
+`DeviceNode` in its own thread, and they handle their messages one at a time (`device_node.gate`), so that
+each device's `draft_s` is its own compute (plus its emulated slowdown), not its wait for the others.
+
 Link probe (``--link-probe SPEC``, `device_node.link_probe`): a background thread measures the radio link;
 every report (and every heartbeat of an idle device) carries the latest reading with its age on this
 device's clock (`link_reading`), never the clock itself: the edge dates it on its own clock.
@@ -33,10 +37,11 @@ import time
 import zmq
 
 from device_node.drafting import Draft, Drafter
+from device_node.gate import OPEN, Gate
 from device_node.hardware import HardwareProfile, load_hardware
 from device_node.link_probe import BackgroundProbe, LinkMeasurement, NoneProbe, make_probe
 from device_node.options import EPILOG, ExitCode, add_arguments
-from testbed.core.sampling import RoundRandomness, SamplingParams, sample_correction
+from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
 from testbed.security import ClientKeys, SecurityError, make_client
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
@@ -59,8 +64,10 @@ class DeviceNode:
                  register_timeout_s: float = 120.0, idle_timeout_s: float = 300.0, tx_marker: bool = True,
                  keys: ClientKeys | None = None, reconnect: bool = False,
                  register_retry_s: float = REGISTER_RETRY_S, register_retry_max_s: float = REGISTER_RETRY_MAX_S,
-                 link_probe: BackgroundProbe | None = None):
+                 link_probe: BackgroundProbe | None = None, gate: Gate | None = None):
         self.connect, self.name, self.drafter = connect, name, drafter
+        # Several devices in one process (`device_node.host`) handle their messages one at a time.
+        self.gate = gate or OPEN
         self.link_probe = link_probe
         self.hardware = hardware or HardwareProfile()
         self.register_timeout_s, self.idle_timeout_s = register_timeout_s, idle_timeout_s
@@ -217,7 +224,9 @@ class DeviceNode:
             # Poll even when the window is over: after a pause (SIGSTOP, a slow draft) messages may be
             # waiting, and they prove the edge alive.
             if self.sock.poll(max(0, int(wait * 1000))):
-                code = self._handle(self.sock.recv_multipart(copy=False))
+                frames = self.sock.recv_multipart(copy=False)
+                with self.gate:
+                    code = self._handle(frames)
                 if code is not None:
                     return code
                 continue
@@ -300,7 +309,7 @@ class DeviceNode:
     def _on_schedule(self, header: dict) -> None:
         if self.session is None:
             raise ProtocolError("schedule before registered")
-        sched = M.parse_schedule(header, self.max_draft_len)
+        sched = M.parse_schedule(header, self.max_draft_len, self.drafter.vocab_size)
         if self.pending is not None:
             # The edge moved on without our verdict (a lost message, an edge restart): drafting again on top
             # of unverified drafts would desynchronise the drafter. Refuse this round, drop the old one; the
@@ -313,20 +322,22 @@ class DeviceNode:
             return
         rr = RoundRandomness(self.seed, self.name, sched.round)
         t0 = time.perf_counter()
-        # Sampled through the wire precision: draft.q is exactly what the edge rebuilds from the upload.
-        draft = self.drafter.draft(sched.draft_len, self.params, rr.draft_generator(), wire_bits=self.bits)
+        # Sampled through the wire precision: draft.q is exactly what the edge rebuilds from the upload. A top-k
+        # round drafts from q truncated to its top k (DraftParams), the q a top-k upload carries.
+        params = DraftParams.of(self.params, sched.topk)
+        draft = self.drafter.draft(sched.draft_len, params, rr.draft_generator(), wire_bits=self.bits)
         compute_s = time.perf_counter() - t0
-        # Emulated slower hardware: sleep the extra (scale - 1) x the measured compute.
+        # Emulated slower hardware: sleep the extra (scale - 1) x the measured compute (with the gate open:
+        # other devices of the process work meanwhile; the wait to get it back is theirs, not ours).
         extra_s = (self.hardware.compute_scale - 1.0) * compute_s
-        if extra_s > 0:
-            time.sleep(extra_s)
-        draft_s = time.perf_counter() - t0
+        regate_s = self.gate.sleep(extra_s) if extra_s > 0 else 0.0
+        draft_s = time.perf_counter() - t0 - regate_s
         self.pending = (sched, draft)  # q float64: never rounded again
         timings = {"draft_s": draft_s, "compute_s": compute_s, "emulated_extra_s": extra_s,
                    "compute_scale": self.hardware.compute_scale}
         frames = M.draft(sched.round, sched.mode, draft.tokens, draft.q, q_wire=draft.wire,
                          last_token=self.committed[-1], bits_per_prob=self.bits, on_air_vocab=self.on_air,
-                         timings=timings)
+                         timings=timings, topk=sched.topk)
         self._send_air(frames, "ul")
 
     def _on_verdict(self, header: dict, arrays: dict) -> None:

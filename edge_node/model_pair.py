@@ -1,7 +1,8 @@
 """The built-in target/draft pair: build (corpus -> tokenizer -> two Llama-style LMs -> ONNX draft),
 evaluate (perplexity, acceptance), cache under `$MULTISPIN_CACHE` or `~/.cache/multispin` with a manifest.
 
-The build is deterministic from the seed (same corpus, same library versions -> same weights).
+The build is deterministic from the seed (same corpus, same library versions -> same weights). The default
+pair also ships in the package as float16 weights (`edge_node.shipped_pair`): a fresh cache gets it in seconds.
 """
 
 from __future__ import annotations
@@ -120,6 +121,45 @@ def _versions() -> dict:
             "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, "numpy": numpy.__version__}
 
 
+def eval_prompts(held_ids, config: PairBuildConfig) -> list[list[int]]:
+    """The held-out prompts the speculative acceptance (and the greedy agreement) is measured on."""
+    stride = max(1, (len(held_ids) - config.spec_prompt_len) // max(1, config.spec_prompts))
+    return [held_ids[k * stride:k * stride + config.spec_prompt_len].tolist() for k in range(config.spec_prompts)]
+
+
+def evaluate_acceptance(target, draft, held_ids, config: PairBuildConfig) -> dict:
+    """Teacher-forced and speculative acceptance at temperature 1 and greedy (seeded: reruns give the same)."""
+    from edge_node.training import acceptance_summary, speculative_generate, teacher_forced_acceptance
+    from testbed.core.sampling import SamplingParams
+
+    acceptance = {}
+    for label, params in (("temperature_1", SamplingParams(1.0)), ("greedy", SamplingParams(0.0))):
+        tf = teacher_forced_acceptance(target, draft, held_ids, config.context, config.eval_tokens, params)
+        counts: list[int] = []
+        for k, prompt in enumerate(eval_prompts(held_ids, config)):
+            _, c = speculative_generate(target, draft, prompt, config.spec_new_tokens, config.draft_len,
+                                        params, seed=config.seed, device_name=f"eval-{k}")
+            counts.extend(c)
+        acceptance[label] = {"teacher_forced_alpha": tf, "draft_len": config.draft_len,
+                             **acceptance_summary(counts, config.draft_len)}
+    return acceptance
+
+
+def load_heldout(config: PairBuildConfig, tokenizer_path: Path, corpus_dir: Path, expect_source: str | None = None):
+    """The held-out token stream of a pair's corpus (as the build encoded it), for re-evaluating the pair."""
+    from tokenizers import Tokenizer
+
+    from edge_node.corpus import load_corpus
+    from edge_node.training import encode_documents
+
+    corpus = load_corpus(config.corpus, corpus_dir, heldout_every=config.heldout_every,
+                         max_chars=config.max_corpus_chars)
+    if expect_source is not None and corpus.source != expect_source:
+        raise RuntimeError(f"corpus: the pair was built on {expect_source!r} but only {corpus.source!r} is "
+                           "available here, so its held-out text differs")
+    return encode_documents(Tokenizer.from_file(str(tokenizer_path)), corpus.heldout)
+
+
 def build_pair(config: PairBuildConfig, out_dir: Path, progress: bool = True) -> PairPaths:
     """Build the pair into out_dir (written to a temporary sibling, then renamed: never half-built)."""
     import numpy as np
@@ -131,17 +171,13 @@ def build_pair(config: PairBuildConfig, out_dir: Path, progress: bool = True) ->
     from edge_node.onnx_export import export_draft_onnx
     from edge_node.training import (
         ModelShape,
-        acceptance_summary,
         encode_documents,
         make_model,
         param_count,
         perplexity,
-        speculative_generate,
-        teacher_forced_acceptance,
         train_lm,
         train_tokenizer,
     )
-    from testbed.core.sampling import SamplingParams
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".building")
@@ -197,19 +233,7 @@ def build_pair(config: PairBuildConfig, out_dir: Path, progress: bool = True) ->
         timings["onnx_export_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        target, draft = models["target"], models["draft"]
-        acceptance = {}
-        for label, params in (("temperature_1", SamplingParams(1.0)), ("greedy", SamplingParams(0.0))):
-            tf = teacher_forced_acceptance(target, draft, held_ids, config.context, config.eval_tokens, params)
-            counts: list[int] = []
-            stride = max(1, (len(held_ids) - config.spec_prompt_len) // max(1, config.spec_prompts))
-            for k in range(config.spec_prompts):
-                prompt = held_ids[k * stride:k * stride + config.spec_prompt_len].tolist()
-                _, c = speculative_generate(target, draft, prompt, config.spec_new_tokens, config.draft_len,
-                                            params, seed=config.seed, device_name=f"eval-{k}")
-                counts.extend(c)
-            acceptance[label] = {"teacher_forced_alpha": tf, "draft_len": config.draft_len,
-                                 **acceptance_summary(counts, config.draft_len)}
+        acceptance = evaluate_acceptance(models["target"], models["draft"], held_ids, config)
         timings["evaluation_s"] = time.perf_counter() - t
     finally:
         torch.set_num_threads(old_threads)
@@ -246,17 +270,31 @@ def pair_dir(config: PairBuildConfig, cache_dir: Path | None = None) -> Path:
     return Path(cache_dir or cache_root()) / "models" / f"{config.name}-{config.config_hash()}"
 
 
-def ensure_pair(config: PairBuildConfig, cache_dir: Path | None = None, progress: bool = True) -> PairPaths:
+def is_complete(paths: PairPaths) -> bool:
+    return paths.manifest.is_file() and paths.draft_onnx.is_file() and paths.tokenizer.is_file()
+
+
+def ensure_pair(config: PairBuildConfig, cache_dir: Path | None = None, progress: bool = True,
+                shipped: bool = True) -> PairPaths:
+    """The pair in the cache; when missing, materialized from the package's shipped copy of this config
+    (seconds; `edge_node.shipped_pair`) if there is one and `shipped`, else built (minutes)."""
     root = pair_dir(config, cache_dir)
     paths = PairPaths.under(root)
-    if paths.manifest.is_file() and paths.draft_onnx.is_file() and paths.tokenizer.is_file():
+    if is_complete(paths):
         return paths
+    if shipped:
+        from edge_node.shipped_pair import find_shipped, materialize
+
+        src = find_shipped(config)
+        if src is not None:
+            return materialize(src, root, threads=config.threads, progress=progress)
     return build_pair(config, root, progress=progress)
 
 
 def ensure_default_pair(cache_dir: Path | None = None, progress: bool = True,
                         threads: int | None = None) -> PairPaths:
-    """The default pair, built on first need (minutes on 2 CPU cores), then reused from the cache."""
+    """The default pair: from the cache, else from the copy shipped in the package (seconds), else built
+    (about 10 minutes on 2 CPU cores)."""
     config = DEFAULT_CONFIG if threads is None else dataclasses.replace(DEFAULT_CONFIG, threads=threads)
     return ensure_pair(config, cache_dir, progress)
 

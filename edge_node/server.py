@@ -389,6 +389,7 @@ class EdgeServer:
         self.verifier.open(sid, prompt)
         now = time.monotonic()
         self.sessions[name] = Session(name, sid, prompt, hardware, pending=[], last_heard=now)
+        self.controller.observe_hardware(name, hardware)  # its energy constants, for the records
         self._send(name, M.registered(sid, prompt, seed=self.seed, sampling=dataclasses.asdict(self.params),
                                       bits_per_prob=self.bits, on_air_vocab_size=self.on_air,
                                       max_draft_len=self.scenario.max_draft_len,
@@ -503,7 +504,7 @@ class EdgeServer:
 
     def _parse_draft(self, s: Session, slot: DevicePlan, header: dict, arrays: dict, via_channel: bool) -> M.Draft:
         d = M.parse_draft(header, arrays, mode=slot.mode, draft_len=slot.draft_len, vocab_size=self.vocab,
-                          bits_per_prob=self.bits, on_air_vocab=self.on_air)
+                          bits_per_prob=self.bits, on_air_vocab=self.on_air, topk=self._round.plan.topk)
         expected_last = (s.output_ids or s.prompt_ids)[-1]
         if d.last_token != expected_last:
             raise ProtocolError(f"draft.last_token: {d.last_token} does not match the committed context "
@@ -632,7 +633,7 @@ class EdgeServer:
         self._round = cur
         for name, slot in cur.schedule.items():
             self._send(name, M.schedule(r, slot.mode, slot.draft_len, slot.ul_power_w or 0.0,
-                                        slot.dl_power_w or 0.0, self.deadline_s))
+                                        slot.dl_power_w or 0.0, self.deadline_s, topk=rp.topk))
         return cur
 
     # collect drafts
@@ -712,7 +713,7 @@ class EdgeServer:
         return DeviceOutcome(n_accepted=n, tokens=n + 1, dl_payload="p" if verdict.token is None else "token",
                              ul_channel=d.channel, ul_bytes=arrived.nbytes, dl_bytes=dl_bytes,
                              up_phase_s=arrived.t_arrival - cur.t0, t_verdict=t_verdict,
-                             timings=_finite_values(d.timings))
+                             timings=_finite_values(d.timings), q_bytes=d.q_bytes)
 
     def _commit(self, s: Session, r: int, verdict: Verdict, drafts: list[int], draft_len: int) -> None:
         """The verdict's effect on a session: the verifier's cache, the committed tokens, the counters."""
@@ -735,7 +736,7 @@ class EdgeServer:
     def _observe(self, cur: RoundInFlight, name: str, o: DeviceOutcome) -> None:
         """Feed the controller's estimates: acceptance, drafting time and (when charged) the header size."""
         slot = cur.schedule[name]
-        self.controller.observe_acceptance(name, o.n_accepted, slot.draft_len)
+        self.controller.observe_acceptance(name, o.n_accepted, slot.draft_len, topk=cur.plan.topk)
         self.controller.observe_draft_time(name, o.timings.get("draft_s") or 0.0, slot.draft_len)
         charged = (o.ul_channel or {}).get("bytes")
         if charged:
@@ -785,6 +786,8 @@ class EdgeServer:
             # T_0 is fitted in the record's time base: with a virtual channel, the virtual round time.
             self.controller.observe_round(rec["measured"]["round_s"], rp.plan["round_time_s"],
                                           rp.scenario.round_overhead_s)
+        self.controller.observe_energy(rec)  # measured UL air times: the energy budgets' margins
+        self.controller.observe_outcome(rec)  # what the policy sees of this round next time
         if self.recorder is not None:
             self.recorder.append_round(rec)
         self.rounds_done += 1

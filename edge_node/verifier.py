@@ -14,9 +14,36 @@ context and draft lengths share one forward. The per-session slices of the new c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """What the edge server needs of a target model (`BatchedVerifier` is the PyTorch one): batched scoring
+    of many devices' drafts, each device a session with its own cache. Another runtime or model family plugs
+    in by implementing these five members; accept/reject, the wire and the records stay the edge's.
+
+    A round: ``verify([(session, pending_ids, draft_ids), ...])`` scores every device's drafts in one call,
+    then ``commit(session, n_accepted)`` per device keeps its context + pending + the accepted drafts."""
+
+    vocab_size: int  # V of the target's distributions; devices must register with the same
+
+    def open(self, session: str, prompt_ids: list[int]) -> None:
+        """Start (or restart) a session from its prompt."""
+
+    def close(self, session: str) -> None:
+        """Forget a session and free its cache (unknown sessions are ignored)."""
+
+    def verify(self, items: list[tuple[str, list[int], list[int]]]) -> list[np.ndarray]:
+        """Per item, (L + 1, V) target logits: row i scores draft i given the context, pending tokens (committed
+        tokens not yet scored, e.g. the device's own correction) and drafts 0..i-1; row L is the bonus
+        position. Each session at most once per call, and commit() before it is verified again."""
+
+    def commit(self, session: str, n_accepted: int) -> None:
+        """Keep the first n_accepted drafts of the last verify (0..L) after the pending tokens."""
 
 
 @dataclass

@@ -15,7 +15,8 @@ from testbed.errors import TestbedError
 
 # Order is the order `multispin --help` lists them.
 COMMAND_MODULES = [
-    "run", "plan", "simulate", "models", "edge", "device", "runs", "report", "compare", "channel", "keys",
+    "run", "plan", "simulate", "models", "edge", "device", "runs", "report", "compare", "campaign", "channel", "keys",
+    "plugins",
 ]
 
 

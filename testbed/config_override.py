@@ -213,15 +213,16 @@ def loc_text(loc: tuple) -> str:
 
 def policy_list(text: str, flag: str = "--policies") -> list[str]:
     """A comma-separated list of policy names (one for --policy); an unknown one gets a did-you-mean."""
-    from testbed.core.optimizer import POLICIES
+    from testbed.plugins import PluginError, check_policy, policy_names
 
     policies = [p.strip() for p in str(text).split(",") if p.strip()]
     if not policies:
-        raise OverrideError(f"{flag} {text!r}: name at least one policy (allowed: {', '.join(POLICIES)})")
+        raise OverrideError(f"{flag} {text!r}: name at least one policy (allowed: {', '.join(policy_names())})")
     for p in policies:
-        if p not in POLICIES:
-            what = f"unknown policy {p!r}" if len(policies) > 1 else "unknown policy"
-            raise OverrideError(f"{flag} {text}: {what}{did_you_mean(p, POLICIES)} (allowed: {', '.join(POLICIES)})")
+        try:
+            check_policy(p, f"unknown policy {p!r}" if len(policies) > 1 else "unknown policy")
+        except PluginError as exc:
+            raise OverrideError(f"{flag} {text}: {exc}") from None
     if len(set(policies)) != len(policies):
         raise OverrideError(f"{flag} {text}: a policy is listed twice")
     return policies
@@ -234,8 +235,10 @@ def fixed_length_notes(fixed_length: int | None, policies: list[str], max_draft_
     `given` is how the user wrote it (default: --fixed-length N)."""
     if fixed_length is None:
         return []
+    from testbed.core.optimizer import POLICIES
+
     given = given or f"--fixed-length {fixed_length}"
-    if "fixed-length" not in policies:
+    if "fixed-length" not in policies and all(p in POLICIES for p in policies):  # a plug-in may read it
         return [f"{given} is ignored: only the fixed-length policy uses it (policies here: {', '.join(policies)})"]
     if fixed_length > max_draft_len:
         return [f"{given} is clamped to max_draft_len {max_draft_len} (the scenario's L_max)"]

@@ -3,7 +3,9 @@
 Pure logic (no sockets, no clocks): the edge server feeds it observations and asks it for a plan.
 - alpha_k: Beta posterior mean; prior mean = the profile's acceptance, `alpha_prior_trials` pseudo-trials.
   A round with n accepted out of L is n successes and (1 if n < L) failure: per-token Bernoulli trials
-  up to and including the first rejection.
+  up to and including the first rejection. Rounds drafted from a top-k truncated q (`payload_format: topk`,
+  `topk_choices`) feed a posterior per (device, k) instead, whose prior mean is the scenario's
+  `topk_acceptance_ratio[k]` x the device's dense alpha; the plan gets them per option (`core.payload`).
 - t_k: median of the last `draft_time_window` device-reported drafting times per token (they include the
   emulated slowdown; a median because a shared CPU adds rare long stalls), seeded from the profile's
   draft_time_s times the device's compute_scale.
@@ -29,14 +31,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from testbed.core.model import evaluate
+from testbed.core import payload
+from testbed.core.model import distribution_bits, evaluate
 from testbed.core.optimizer import DevicePlan, InfeasiblePlanError, Plan, plan
+from testbed.core.policy import DeviceResult, PolicyError, RoundOutcome, policy_name
 from testbed.core.scenario import Scenario
+from testbed.energy import EnergyLedger, add_device_energy, add_round_energy
 from testbed.errors import TestbedError
 
 log = logging.getLogger("multispin.controller")
-# Where a round goes when the profile's policy finds no feasible schedule: DL mode uploads only token ids
-# and one probability per token, the cheapest upload there is.
+# Where a round goes when the profile's policy finds no feasible schedule, or a plug-in policy's decision
+# cannot be used (`PolicyError`): DL mode uploads only token ids and one probability per token, the
+# cheapest upload there is. The round record says why (`fallback`).
 FALLBACK_POLICY = "all-dl"
 
 
@@ -73,6 +79,13 @@ class RoundPlan:
     rate_source: str | None = None   # "trace" or "measured"
     live_used: dict[str, dict] = field(default_factory=dict)  # name -> ChannelState.live_used at plan time
     sat_out: dict[str, str] = field(default_factory=dict)     # name -> why it is not in this round
+    # name -> energy constants and budgets for the record (`testbed.energy.EnergyLedger.budgeted`)
+    energy: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def topk(self) -> int | None:
+        """The k every device of this round drafts with (schedule.topk), None: dense (`payload.topk_of`)."""
+        return payload.topk_of(self.scenario) if self.devices else None
 
 
 @dataclass
@@ -95,16 +108,23 @@ class DeviceOutcome:
     report_late: bool = False         # no report before the round closed: the verdict is unconfirmed, and the
     #                                   record credits none of its tokens (the device may never have had them)
     link: dict | None = None          # `channel.measure_links`: {"ul"/"dl": LinkEstimator.observe entries}
+    q_bytes: int | None = None        # bytes of the uploaded distributions (dense q, or top-k ids + values)
 
 
 class Controller:
-    def __init__(self, scenario: Scenario, *, policy: str = "proposed", fixed_length: int = 4, seed: int = 0,
+    def __init__(self, scenario: Scenario, *, policy="proposed", fixed_length: int = 4, seed: int = 0,
                  channel_state=None, compute_scale: dict[str, float] | None = None,
                  alpha_prior_trials: float = 8.0, draft_time_window: int = 10, fit_verify_after: int = 5,
                  pin_mode: str | None = None, pin_draft_len: int | None = None, fit_round_overhead: bool = True):
         self.base = scenario
         self.pin_mode, self.pin_draft_len = pin_mode, pin_draft_len
-        self.policy, self.fixed_length, self.seed = policy, fixed_length, seed
+        # policy: a name (built-in, module:Class, an entry point; testbed.plugins) or a Policy object
+        from testbed.plugins import load_policy
+
+        self.policy_impl = load_policy(policy) if isinstance(policy, str) else policy
+        self.policy = policy if isinstance(policy, str) else policy_name(policy)
+        self.fixed_length, self.seed = fixed_length, seed
+        self.previous: RoundOutcome | None = None  # the latest closed round, for the policy (`observe_outcome`)
         self.channel_state = channel_state
         self.window = max(1, int(draft_time_window))
         self.fit_verify_after = fit_verify_after
@@ -114,6 +134,8 @@ class Controller:
             for d in scenario.devices
         }
         self.static_gains = dict(zip([d.name for d in scenario.devices], scenario.gains_db().tolist()))
+        self.prior_trials = float(alpha_prior_trials)
+        self.topk_trials: dict[tuple[str, int], list[float]] = {}  # (name, k) -> [successes, trials]
         self.t0, self.t1 = scenario.verify_t0_s, scenario.verify_t1_s
         # Observation windows are bounded: an edge runs for days, and only the recent ones are used.
         self._verify_obs: deque[tuple[float, float]] = deque(maxlen=200)
@@ -128,6 +150,8 @@ class Controller:
         # Rates the edge measured on a real link (`channel.measure_links`): name -> {"ul": bit/s or None,
         # "dl": bit/s or None}; they fix those links' rates in the plan as a rate trace does.
         self.measured_rates: dict[str, dict[str, float | None]] = {}
+        # Energy constants per device (from its registration) and the UL air-time excess the budgets allow for.
+        self.energy = EnergyLedger(scenario)
 
     # -- estimates -------------------------------------------------------------------------------
     def gains_db(self, round_index: int, t_s: float) -> dict[str, float]:
@@ -135,10 +159,25 @@ class Controller:
             return dict(self.static_gains)
         return self.channel_state.gains_db(round_index, t_s)
 
-    def observe_acceptance(self, name: str, n_accepted: int, draft_len: int) -> None:
+    def observe_acceptance(self, name: str, n_accepted: int, draft_len: int, topk: int | None = None) -> None:
+        """A round's accepted count; `topk`: the round drafted from the top-k truncated q (its own alpha)."""
+        trials = n_accepted + (1 if n_accepted < draft_len else 0)
+        if topk is not None:
+            counts = self.topk_trials.setdefault((name, int(topk)), [0.0, 0.0])
+            counts[0] += n_accepted
+            counts[1] += trials
+            return
         e = self.est[name]
         e.successes += n_accepted
-        e.trials += n_accepted + (1 if n_accepted < draft_len else 0)
+        e.trials += trials
+
+    def alpha_topk(self, name: str, k: int) -> float:
+        """alpha of a device drafting from its top-k truncated q: Beta posterior of its top-k rounds, prior
+        mean `topk_acceptance_ratio[k]` x its dense alpha (clipped into (0, 1))."""
+        prior = float(payload.prior_acceptance(self.base, k, [self.est[name].alpha])[0])
+        s, n = self.topk_trials.get((name, int(k)), (0.0, 0.0))
+        total = self.prior_trials + n
+        return prior if total <= 0 else (prior * self.prior_trials + s) / total
 
     def observe_draft_time(self, name: str, draft_s: float, draft_len: int) -> None:
         if not (draft_s > 0 and draft_len > 0 and math.isfinite(draft_s)):  # a device's own report
@@ -179,6 +218,18 @@ class Controller:
         if len(recent) >= 3:
             self.round_overhead_s = max(0.0, float(np.median(recent)))
 
+    def observe_hardware(self, name: str, hardware: dict | None) -> None:
+        """The hardware a device registered with: its energy constants (receive power, J per drafted token)."""
+        self.energy.set_hardware(name, hardware)
+
+    def observe_outcome(self, record: dict) -> None:
+        """A finished round's record: what the policy sees of it in its next plan (`RoundContext.previous`)."""
+        self.previous = outcome_of(record)
+
+    def observe_energy(self, record: dict) -> None:
+        """A finished round's record: the measured UL air times, which set the energy budgets' margins."""
+        self.energy.observe(record)
+
     def seed_header_bits(self, bits: float) -> None:
         """A prior for H from the wire format (the edge encodes a typical draft): without it the first rounds,
         planned before any upload was charged, count no header at all, and a DL-mode upload (about 400 bytes,
@@ -208,7 +259,8 @@ class Controller:
     def scenario_for(self, names: list[str], gains: dict[str, float],
                      rate_override: dict[str, dict] | None = None) -> Scenario:
         """The base scenario restricted to `names`, with the current estimates in place; a device whose rate
-        is fixed (`rate_override`, see `fix_rates`) gets the gain and UL power that reproduce that rate."""
+        is fixed (`rate_override`: name -> {"ul", "dl"} bit/s or None) gets it as the core model's fixed rate
+        of that direction (the model's other direction keeps its gain)."""
         keep = set(names)
         data = self.base.model_dump(exclude_none=True)
         data["devices"] = [d for d in data["devices"] if d["name"] in keep]
@@ -221,13 +273,17 @@ class Controller:
             draft_time_s={n: self.est[n].draft_time_s for n in names},
             channel_gain_db={n: gains[n] for n in names},
         )
-        return fix_rates(sub, rate_override) if rate_override else sub
+        if not rate_override:
+            return sub
+        return sub.with_device_updates({n: {"fixed_ul_rate_bps": r.get("ul") or None,
+                                            "fixed_dl_rate_bps": r.get("dl") or None}
+                                        for n, r in rate_override.items() if n in keep})
 
     def rate_overrides(self, round_index: int, t_s: float, names: list[str]) -> tuple[dict[str, dict], str | None]:
         """(name -> {"ul", "dl"} fixed rates in bit/s, where they come from): a rate trace of the channel
         state (``trace``), else the rates the edge measured on a real link (``measured``); ({}, None) if none."""
         cs = self.channel_state
-        if cs is not None and getattr(cs, "source", None) == "trace":
+        if cs is not None and hasattr(cs, "rate_override_bps"):  # a rate trace, or a plug-in source's rates
             ov = cs.rate_override_bps(round_index, t_s)
             fixed = {n: dict(ov[n]) for n in names if n in ov and (ov[n]["ul"] or ov[n]["dl"])}
             if fixed:
@@ -251,93 +307,62 @@ class Controller:
                              sat_out=sat_out)
         fixed, source = self.rate_overrides(round_index, t_s, usable)
         scen = self.scenario_for(usable, gains, fixed)
+        scen, energy = self.energy.budgeted(scen)  # budgets less the measured air-time margin
         names = usable
+        # alpha per top-k option: this run's estimates (none for dense, whose alpha is in the scenario)
+        by_option = {k: {n: self.alpha_topk(n, k) for n in names} for k in payload.options(scen) if k is not None}
         if self.pin_mode and self.pin_draft_len:
-            # Fully pinned schedule: nothing to optimise, only the model's prediction of it.
+            # Fully pinned schedule: nothing to optimise but the upload format, only the model's prediction of it.
             n = scen.num_devices
-            chosen = self._pinned(scen, "pinned", [self.pin_mode] * n, [self.pin_draft_len] * n)
+            chosen = payload.best_plan(
+                scen, lambda s: self._pinned(s, "pinned", [self.pin_mode] * n, [self.pin_draft_len] * n), by_option)
         else:
-            chosen = self._plan_or_fall_back(scen, round_index)
+            chosen = self._plan_or_fall_back(scen, round_index, by_option)
             if self.pin_mode or self.pin_draft_len:
-                chosen = self._pinned(scen, f"{chosen.policy}+pinned", chosen.modes, chosen.draft_lens)
-        used_gain = dict(zip([d.name for d in scen.devices], scen.gains_db().tolist()))  # after fix_rates
+                chosen = self._pinned(chosen.scenario, f"{chosen.policy}+pinned", chosen.modes, chosen.draft_lens,
+                                      chosen.info.get("payload"))
+        used_gain = dict(zip([d.name for d in scen.devices], scen.gains_db().tolist()))
         est = {n: {"alpha": self.est[n].alpha, "draft_time_s": self.est[n].draft_time_s, "gain_db": used_gain[n]}
                for n in names}
-        return RoundPlan(round_index, list(names), chosen.to_dict(), scen, est,
+        for n in names:
+            if by_option:
+                est[n]["alpha_topk"] = {str(k): a[n] for k, a in by_option.items()}
+        return RoundPlan(round_index, list(names), chosen.to_dict(), chosen.scenario, est,
                          {d.name: d for d in chosen.device_plans()}, requested=asked,
-                         t_s=t_s, rate_override=fixed, rate_source=source, live_used=live, sat_out=sat_out)
+                         t_s=t_s, rate_override=fixed, rate_source=source, live_used=live, sat_out=sat_out,
+                         energy=energy)
 
-    def _plan_or_fall_back(self, scen: Scenario, round_index: int) -> Plan:
-        """The profile's policy; when it finds no feasible schedule (e.g. an energy budget no upload fits),
-        the round goes ahead with `FALLBACK_POLICY` and the log says why, instead of the run stopping."""
+    def _plan_or_fall_back(self, scen: Scenario, round_index: int, by_option: dict | None = None) -> Plan:
+        """The profile's policy; when it finds no feasible schedule (e.g. an energy budget no upload fits) or
+        a plug-in's decision cannot be used (`PolicyError`), the round goes ahead with `FALLBACK_POLICY`, and
+        the log and the plan's `fallback` entry (then the round record's) say why, instead of the run
+        stopping."""
         seed = self.seed + round_index
         try:
-            return plan(scen, self.policy, fixed_length=self.fixed_length, seed=seed)
-        except InfeasiblePlanError as exc:
+            return plan(scen, self.policy_impl, fixed_length=self.fixed_length, seed=seed, round_index=round_index,
+                        previous=self.previous, acceptance_by_option=by_option)
+        except (InfeasiblePlanError, PolicyError) as exc:
             log.warning("round %d: %s; planning this round with %s", round_index, exc, FALLBACK_POLICY)
             try:
-                return plan(scen, FALLBACK_POLICY, fixed_length=self.fixed_length, seed=seed)
+                chosen = plan(scen, FALLBACK_POLICY, fixed_length=self.fixed_length, seed=seed,
+                              acceptance_by_option=by_option)
             except InfeasiblePlanError as again:
                 raise TestbedError(f"round {round_index}: no feasible schedule with {self.policy!r} ({exc}) "
                                    f"nor with {FALLBACK_POLICY!r} ({again})") from None
+            chosen.info["fallback"] = {"policy": FALLBACK_POLICY, "instead_of": self.policy,
+                                       "error": type(exc).__name__, "reason": str(exc)}
+            return chosen
 
-    def _pinned(self, scen: Scenario, policy: str, modes, draft_lens) -> Plan:
+    def _pinned(self, scen: Scenario, policy: str, modes, draft_lens, payload_info: dict | None = None) -> Plan:
         """The profile pins every device's mode and/or draft length (e.g. to compare UL and DL mode on the
         same schedule); the prediction is the model's evaluation of that schedule."""
         modes = [self.pin_mode or m for m in modes]
         lens = [min(self.pin_draft_len or int(n), scen.max_draft_len) for n in draft_lens]
-        return Plan(policy=policy, scenario=scen, evaluation=evaluate(scen, modes, lens))
+        info = {"payload": payload_info} if payload_info else {}
+        return Plan(policy=policy, scenario=scen, evaluation=evaluate(scen, modes, lens), info=info)
 
 
 # Bounds of a gain the scenario accepts (it refuses 0 dB and above, and -250 dB and below).
-_GAIN_DB_RANGE = (-249.0, -1e-6)
-
-
-def _snr_for_rate(rate_bps: float, bandwidth_hz: float) -> float:
-    """The SNR whose Shannon rate over `bandwidth_hz` is `rate_bps`: 2^(r / B) - 1 (capped far past any link)."""
-    return math.expm1(min(rate_bps / bandwidth_hz, 1000.0) * math.log(2.0))
-
-
-def fix_rates(sc: Scenario, fixed: dict[str, dict]) -> Scenario:
-    """The scenario with each fixed-rate device's gain (and UL power) set so that the model reproduces its
-    fixed rates (`fixed`: name -> {"ul": bit/s or None, "dl": bit/s or None}), without touching the model:
-
-    - UL only: g = (2^(r/B) - 1) N0 B / P^max, and the device's energy budget is dropped, so that its UL
-      power is P^max (power control has no effect on a fixed rate): the planned UL rate is the fixed one.
-    - DL: the model's DL rate depends on the power and band the optimizer gives the device, unknown before
-      the plan. Approximation: g reproduces the rate at an equal share, every device in DL mode (W = B^D / N
-      and p = P_s / N; tdma: W = B^D, p = P_s). With fewer DL-mode devices or an unequal power split the
-      planned DL rate differs from the fixed one (the emulator still applies the fixed rate).
-    - UL and DL: one gain serves both directions in the model, so the DL rate sets g and the device's
-      P^max becomes the power that gives the UL rate with it (the recorded `ul_power_w` is then that
-      equivalent power, not a radio's).
-    A gain outside the scenario's range (-250, 0) dB is clipped (then the planned rate differs)."""
-    n0, n = sc.noise_psd_w_hz, sc.num_devices
-    if sc.dl_access == "tdma":
-        w, p_dl = sc.downlink_bandwidth_hz, sc.downlink_power_w
-    else:
-        w, p_dl = sc.downlink_bandwidth_hz / n, sc.downlink_power_w / n
-    updates: dict[str, dict] = {}
-    for d in sc.devices:
-        ul, dl = (fixed.get(d.name) or {}).get("ul"), (fixed.get(d.name) or {}).get("dl")
-        if not ul and not dl:
-            continue
-        bw = d.uplink_bandwidth_hz or sc.uplink_bandwidth_hz
-        upd: dict = {}
-        if dl:
-            g = _snr_for_rate(dl, w) * n0 * w / p_dl
-        else:
-            g = _snr_for_rate(ul, bw) * n0 * bw / d.max_power_w
-        g_db = float(np.clip(10.0 * math.log10(max(g, 1e-300)), *_GAIN_DB_RANGE))
-        upd["channel_gain_db"] = g_db
-        if ul:
-            upd["energy_budget_j"] = None
-            if dl:
-                upd["max_power_w"] = max(_snr_for_rate(ul, bw) * n0 * bw / 10.0 ** (g_db / 10.0), 1e-30)
-        updates[d.name] = upd
-    return sc.with_device_updates(updates)
-
-
 def channel_links(rp: RoundPlan, fallback_dl_bps: float = 1e9) -> dict[str, dict]:
     """Per-device rates for the channel emulator. A UL-mode device's reply is a few bytes the model charges
     as a constant; it gets a fast link (not a zero one) so the emulator still accounts it. A rate trace
@@ -457,12 +482,33 @@ def round_record(rp: RoundPlan, *, policy: str, outcomes: dict[str, DeviceOutcom
            "verify_model": {"t0_s": rp.scenario.verify_t0_s, "t1_s": rp.scenario.verify_t1_s},
            "round_overhead_s": rp.scenario.round_overhead_s, "header_bits": rp.scenario.header_bits,
            "dl_provisioning": rp.scenario.dl_provisioning,
+           # The round's draft distribution: dense, or top-k k (every device; docs/system-model.md, section 3).
+           "payload": {"format": "dense" if rp.topk is None else "topk", "k": rp.topk,
+                       "options": (plan.get("payload") or {}).get("options")},
            "missed": [n for n in rp.devices if n not in outcomes], "channel_t_s": rp.t_s}
+    add_round_energy(rec)
+    if plan.get("fallback"):  # the policy's plan was refused; FALLBACK_POLICY planned this round
+        rec["fallback"] = plan["fallback"]
     if rp.sat_out:  # left out of the plan (live channel, `fallback: drop`): what the channel state had
         rec["sat_out"] = {n: {"reason": why, "live_used": rp.live_used.get(n)} for n, why in rp.sat_out.items()}
     if extra:
         rec.update(extra)
     return _finite(rec)
+
+
+def outcome_of(record: dict) -> RoundOutcome:
+    """What a policy sees of a closed round (`testbed.core.policy.RoundOutcome`), from its record."""
+    devices = {}
+    for name, d in (record.get("devices") or {}).items():
+        missed = bool(d.get("missed"))
+        devices[name] = DeviceResult(mode=d.get("mode"), draft_len=d.get("draft_len"),
+                                     n_accepted=None if missed else d.get("n_accepted"),
+                                     tokens=None if missed else (d.get("measured") or {}).get("tokens"))
+    measured, predicted = record.get("measured") or {}, record.get("predicted") or {}
+    return RoundOutcome(round=record.get("round"), devices=devices, measured_round_s=measured.get("round_s"),
+                        measured_goodput_tps=measured.get("goodput_tps"),
+                        predicted_goodput_tps=predicted.get("goodput_tps"),
+                        fallback=(record.get("fallback") or {}).get("reason"))
 
 
 def _credited(o: DeviceOutcome) -> int:
@@ -493,8 +539,10 @@ def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: fl
         "ul_rate_bps": d.ul_rate_bps, "dl_rate_bps": d.dl_rate_bps,
     }
     _add_legacy(predicted)
+    # The uploaded distributions' bytes by the model: L D / 8 in UL mode (D: V b_p dense, k (b_id + b_p) top-k).
+    predicted["q_bytes"] = d.draft_len * distribution_bits(rp.scenario) / 8.0 if d.mode == "UL" else 0.0
     entry = {"mode": d.mode, "draft_len": d.draft_len, "ul_power_w": d.ul_power_w, "dl_power_w": d.dl_power_w,
-             "estimate": rp.estimates.get(name), "predicted": predicted}
+             "topk_k": rp.topk, "estimate": rp.estimates.get(name), "predicted": predicted}
     fixed = rp.rate_override.get(name)
     if fixed is not None:  # the rates that fixed this device's links, beside the planned and charged ones
         entry["trace_rate_bps" if rp.rate_source == "trace" else "link_rate_bps"] = {
@@ -503,6 +551,7 @@ def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: fl
         entry["live_used"] = rp.live_used[name]
     if o is None:
         entry.update({"missed": True, "measured": None})
+        add_device_energy(entry, rp.energy.get(name))
         return entry
     tm = o.timings
     ul_bytes = _bytes(o.ul_channel, o.ul_bytes)
@@ -516,6 +565,7 @@ def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: fl
         "tokens_sent": o.tokens,  # what the verdict carried, confirmed or not
         # What the channel charged when an emulator is in between; else the bytes the edge saw.
         "ul_bytes": ul_bytes,
+        "q_bytes": o.q_bytes,  # of them, the uploaded distributions' (dense q, or top-k ids + values)
         "dl_bytes": _bytes(o.dl_channel, o.dl_bytes),
         # Bits on the wire the model did not count (it counts ul_bits, H included): its own term, not folded
         # into the air time comparison, so that a report can show it (null without an emulator's count).
@@ -537,6 +587,7 @@ def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: fl
     entry.update({"missed": False, "n_accepted": o.n_accepted, "dl_payload": o.dl_payload, "measured": measured,
                   "ul_channel": o.ul_channel, "dl_channel": o.dl_channel, "report_late": o.report_late,
                   "verdict_unconfirmed": o.report_late})
+    add_device_energy(entry, rp.energy.get(name))
     return entry
 
 

@@ -1,7 +1,8 @@
 """Starting and stopping the processes of a run; `run_live`, the whole live run (edge in this process).
 
-Emulation: the channel emulator and one device process per scenario device are started here (ipc://
-sockets in a private temp dir); the edge server runs in this process. LAN: only the edge (and, if the
+Emulation: the channel emulator and the device processes are started here (ipc:// sockets in a private
+temp dir): one process per scenario device, or with `devices_per_process` k > 1 ceil(N/k) host processes
+of k devices each (`device_node.host`); the edge server runs in this process. LAN: only the edge (and, if the
 profile asks for a channel emulator, the emulator) start here; devices connect from other hosts.
 Every process started is stopped by its own id at the end, also on errors, Ctrl-C and SIGTERM.
 How a run is built and driven, step by step, is in `testbed.session`.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -81,6 +83,7 @@ class Launcher:
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs = []
         self.device_connect: str | None = None  # where devices connect in this run
+        self.device_procs: dict[str, str] = {}  # device name -> label of the process it runs in
         self.keys_dir: str | None = None  # with CURVE keys: devices use <keys_dir>/clients/<name>/
 
     def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -115,7 +118,48 @@ class Launcher:
             argv += ["--hardware", hardware]
         if self.keys_dir:
             argv += ["--keys", str(Path(self.keys_dir) / "clients" / name)]
+        self.device_procs[name] = f"device-{label}"
         return self.start(f"device-{label}", argv + list(extra_args or []))
+
+    def start_host(self, label: str, connect: str, draft_onnx: str, devices: list[dict]) -> subprocess.Popen:
+        """A process of several devices (`device_node.host`) on one onnxruntime session; `devices`: one
+        {name, hardware?, link_probe?, link_probe_period_s?} per device (keys are added from `keys_dir`).
+        Its log and process are `label`'s; `device_label` maps each device to it."""
+        specs = []
+        for d in devices:
+            spec = {k: v for k, v in d.items() if v is not None}
+            if self.keys_dir:
+                spec["keys"] = str(Path(self.keys_dir) / "clients" / d["name"])
+            specs.append(spec)
+        argv = [sys.executable, "-m", "device_node.host", "--connect", connect, "--draft", str(draft_onnx),
+                "--devices", json.dumps(specs)]
+        for d in devices:
+            self.device_procs[d["name"]] = label
+        return self.start(label, argv)
+
+    def start_devices(self, connect: str, draft_onnx: str, devices: list[dict], per_process: int = 1) -> None:
+        """Every device of `devices` ({name, hardware?, link_probe?, link_probe_period_s?} each): one process
+        per device (`device-<name>`, as `start_device`) when `per_process` is 1, else ceil(N / per_process) host
+        processes `devices-<i>` of up to `per_process` devices each, in the given order."""
+        if per_process <= 1:
+            for d in devices:
+                probe = d.get("link_probe") or "none"
+                extra = [] if probe == "none" else ["--link-probe", probe, "--link-probe-period-s",
+                                                    str(d.get("link_probe_period_s", 1.0))]
+                self.start_device(d["name"], connect, draft_onnx, d.get("hardware"), extra_args=extra)
+            return
+        for i in range(0, len(devices), per_process):
+            self.start_host(f"devices-{i // per_process}", connect, draft_onnx, devices[i:i + per_process])
+
+    def device_label(self, name: str) -> str:
+        """The label of the process device `name` runs in (`device-<name>`, or its host's `devices-<i>`)."""
+        return self.device_procs.get(name, f"device-{name}")
+
+    def device_failures(self) -> dict[str, tuple[str, int]]:
+        """Per device whose process exited with a non-zero status: (the process's label, its status); a host
+        process that died is reported for each of its devices."""
+        failed = self.failed()
+        return {n: (label, failed[label]) for n, label in self.device_procs.items() if label in failed}
 
     def kill(self, label: str) -> None:
         proc = self.procs.get(label)

@@ -12,14 +12,17 @@ on its own:
 Each is ``a + 8 x bytes / r``: a constant (latencies, small messages, scheduling) plus the transfer of the
 message whose size varies (the draft: megabytes in UL mode, hundreds of bytes in DL mode; the verdict: a
 distribution or a token). `DirectionEstimate` fits that line over recent rounds: messages are grouped by
-size (10% bins), the minimum time per group is kept (the delays a shared host or network adds are one-sided),
+size (10% bins), the minimum time of each group's latest few messages is kept (the delays a shared host or
+network adds are one-sided; the latest, so that a link whose rate changes is followed),
 and a least-squares line through the group minima gives the slope 1/r and the intercept a (as
 `channel_emulator.link_probe.fit_sweep` does for a size sweep); through the large messages only when they
 alone spread in size (a shaper's burst, see `fit_line`). A fit counts only from 4 messages on, when the
 sizes spread (largest >= 2 x smallest) and the transfer at the largest size stands out of the residual
 scatter; else the link is too fast for these sizes to tell and no rate is claimed. With only one large
 size and small ones, the line goes through both: a burst then shows as a higher rate, and the plan's air
-time of that large message is still right (it is what the line was fitted to).
+time of that large message is still right (it is what the line was fitted to). A direction whose messages
+all have one size (DL mode at one draft length: every measured verdict a distribution) takes the other
+direction's small messages as its intercept (`LinkEstimator.small_anchor`).
 """
 
 from __future__ import annotations
@@ -33,10 +36,15 @@ from dataclasses import asdict, dataclass
 SIZE_BIN = 0.10
 MIN_GROUPS = 2        # a slope needs two sizes
 MIN_SAMPLES = 4       # ... and a few messages: one late message must not set the rate on its own
+GROUP_RECENT = 4      # a size group's time: the minimum over its latest this many messages
 MIN_SPREAD = 2.0      # largest / smallest size of the groups
 MIN_SIGNIFICANCE = 3.0  # transfer time at the largest size / residual RMS
 LARGE_FRACTION = 0.25  # "large" messages: at least this fraction of the largest one ...
 LARGE_SPREAD = 1.5     # ... and a line through them alone when they spread this much
+# The other direction's small message stands for the intercept only next to messages this many times larger:
+# the two paths' intercepts differ by milliseconds (the device's send overhead), which only a long transfer
+# makes negligible (a 344-byte draft next to a 72-byte verdict would give a rate of noise).
+ANCHOR_RATIO = 100
 
 
 @dataclass(frozen=True)
@@ -64,23 +72,32 @@ class DirectionEstimate:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.fit: LinkFit | None = None
 
-    def add(self, nbytes: int, seconds: float) -> LinkFit | None:
+    def add(self, nbytes: int, seconds: float, anchor: tuple[int, float] | None = None) -> LinkFit | None:
         """Add one message's size and time; returns the refitted line (None while it cannot tell)."""
         if nbytes > 0 and math.isfinite(seconds):
             self.samples.append((int(nbytes), float(seconds)))
-            self.fit = fit_line(list(self.samples))
+            self.fit = fit_line(list(self.samples), anchor)
         return self.fit
 
 
-def fit_line(samples: list[tuple[int, float]]) -> LinkFit | None:
-    """The line through the per-size-group minimum times (see the module); None when it cannot tell."""
+def _group_minima(samples: list[tuple[int, float]]) -> dict[int, tuple[int, float]]:
+    """Size group -> its fastest message among the group's latest GROUP_RECENT: robust to one late message,
+    and it follows a link whose rate changed (a tbf limit lowered mid-run) within that many messages."""
+    recent: dict[int, list[tuple[int, float]]] = {}
+    for nbytes, t in samples:
+        recent.setdefault(round(math.log(nbytes) / math.log1p(SIZE_BIN)), []).append((nbytes, t))
+    return {k: min(v[-GROUP_RECENT:], key=lambda s: s[1]) for k, v in recent.items()}
+
+
+def fit_line(samples: list[tuple[int, float]], anchor: tuple[int, float] | None = None) -> LinkFit | None:
+    """The line through the per-size-group minimum times (see the module); None when it cannot tell.
+    `anchor`: a small message's (bytes, time) that stands for the intercept when every sample has one size
+    (see `LinkEstimator.small_anchor`)."""
     if len(samples) < MIN_SAMPLES:
         return None
-    groups: dict[int, tuple[int, float]] = {}
-    for nbytes, t in samples:
-        key = round(math.log(nbytes) / math.log1p(SIZE_BIN))
-        if key not in groups or t < groups[key][1]:
-            groups[key] = (nbytes, t)
+    groups = _group_minima(samples)
+    if len(groups) == 1 and anchor is not None and anchor[0] * ANCHOR_RATIO <= min(b for b, _ in samples):
+        groups[-1] = anchor
     if len(groups) < MIN_GROUPS:
         return None
     points = sorted(groups.values())
@@ -122,13 +139,23 @@ class LinkEstimator:
     def fit(self, name: str, direction: str) -> LinkFit | None:
         return self._dir(name, direction).fit
 
+    def small_anchor(self, name: str, direction: str) -> tuple[int, float] | None:
+        """The other direction's smallest size group, (bytes, time), for a direction whose messages all have
+        one size (DL mode at one draft length: every verdict a distribution). Both measurements are one small
+        message each way plus the message whose size varies (schedule + draft, verdict + report), so a small
+        message's time there is this direction's intercept too."""
+        other = self._dir(name, "dl" if direction == "ul" else "ul")
+        if not other.samples:
+            return None
+        return min(_group_minima(list(other.samples)).values())
+
     def observe(self, name: str, direction: str, nbytes: int, seconds: float) -> dict:
         """Add one message and return its entry for the round record: the time as measured (``raw_s``),
         the transfer time by the fit made before it (``s``: raw minus that intercept; None before a fit),
         and the fit after it."""
         est = self._dir(name, direction)
         before = est.fit
-        after = est.add(nbytes, seconds)
+        after = est.add(nbytes, seconds, anchor=self.small_anchor(name, direction))
         return {"bytes": int(nbytes), "raw_s": seconds,
                 "s": None if before is None else max(0.0, seconds - before.intercept_s),
                 "fit": None if after is None else after.to_dict()}

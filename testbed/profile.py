@@ -38,6 +38,12 @@ class Endpoints(_Strict):
     channel_control: str | None = Field(default=None, description="channel emulator control endpoint")
 
 
+def _builtin_sources():
+    from channel_emulator.state import SOURCES
+
+    return SOURCES
+
+
 class ChannelSettings(_Strict):
     mode: Literal["real", "virtual", "passthrough"] = "real"
     base_latency_s: float = Field(default=0.0, ge=0)
@@ -47,6 +53,19 @@ class ChannelSettings(_Strict):
     # passthrough only: the edge estimates each device's UL and DL rate from what it measures and plans with
     # them (testbed.link_estimate; docs/real-links.md).
     measure_links: bool = False
+
+    @field_validator("state")
+    @classmethod
+    def _known_source(cls, value):
+        source = (value or {}).get("source", "model")
+        if not isinstance(source, str):
+            raise ValueError(f"source: {source!r} is not allowed: must be the name of a source (built in: "
+                             f"{', '.join(_builtin_sources())}; or a plug-in's module:Class or entry point name)")
+        if source not in _builtin_sources():
+            from testbed.plugins import load_channel_source
+
+            load_channel_source(source)  # imported now: a bad path or interface fails before any run starts
+        return value
 
     @model_validator(mode="after")
     def _measure_needs_passthrough(self):
@@ -124,6 +143,10 @@ class Profile(_Strict):
     fixed_length: int = Field(default=4, ge=1)
     deadline_s: float = Field(default=10.0, gt=0, description="a device's draft must arrive within this")
     max_misses: int = Field(default=2, ge=1, description="consecutive misses before a device leaves the session")
+    # Liveness (the ZeroMQ guide's Paranoid Pirate): a peer silent for liveness x heartbeat_s is gone. A slow
+    # real link needs a window longer than its largest message's transfer (a TCP stall after a rate drop).
+    heartbeat_s: float = Field(default=1.0, ge=0.01, le=3600, description="seconds between heartbeats")
+    liveness: int = Field(default=5, ge=1, le=1000, description="heartbeats missed before a peer counts as gone")
     on_air_vocab_size: int | None = Field(default=None, ge=2, description="pad distributions on the air")
     pin: PinSettings = PinSettings()
     hardware: dict[str, str] = Field(default_factory=dict, description="device name -> hardware profile")
@@ -133,6 +156,10 @@ class Profile(_Strict):
     link_probe_period_s: float = Field(default=1.0, gt=0, description="seconds between two link measurements")
     device_threads: int = Field(default=1, ge=1)
     start_devices: bool = Field(default=True, description="emulation: start one process per scenario device")
+    # Emulation at scale: k devices per process share one onnxruntime session (device_node.host); each keeps
+    # its own identity, KV cache, seeds and measured drafting time. 1: one process per device.
+    devices_per_process: int = Field(default=1, ge=1, le=1024, strict=True,
+                                     description="emulation: devices per device process (one onnxruntime session)")
     wait_for_devices_s: float = Field(default=120.0, gt=0, description="time to wait for devices to register")
     # None: loopback only (ipc://, 127.x); {keys: DIR}: CURVE on every socket; "insecure": a LAN without keys.
     security: SecuritySettings | Literal["insecure"] | None = None
@@ -147,10 +174,9 @@ class Profile(_Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value):
-        from testbed.core.optimizer import POLICIES
+        from testbed.plugins import check_policy
 
-        if value not in POLICIES:
-            raise ValueError(f"unknown policy{did_you_mean(value, POLICIES)} (allowed: {', '.join(POLICIES)})")
+        check_policy(value)  # a plug-in is imported now: a bad path or interface fails before any run starts
         return value
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ PACKAGES = ("multispin-testbed", "numpy", "torch", "transformers", "tokenizers",
 def new_run_dir(base: str | Path = "runs", label: str | None = None) -> Path:
     """A fresh ``<base>/<UTC stamp>[-label][-n]/``; a TestbedError names the folder when it cannot be made."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    if label:  # a plug-in policy's `module:Class` makes an awkward folder name (a colon, perhaps a slash)
+        label = re.sub(r"[^A-Za-z0-9._-]", "-", label)
     name = stamp if not label else f"{stamp}-{label}"
     path = Path(base) / name
     n = 1

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.energy import summarize_energy
+
 # The phases compared, under the record's vocabulary (testbed.controller.PHASE_FIELDS); a bracket narrows the
 # samples: phase -> (where, key, unit). Device phases are compared per device and round; UL air time per mode
 # (a DL-mode upload is a few hundred bytes, a UL-mode one megabytes); DL air time only where a distribution
@@ -171,7 +173,39 @@ def summarize(records: list[dict]) -> dict:
         "dl_mode_verdicts": _dl_mode_verdicts(records),
         "ul_unmodeled": {"UL": _ul_unmodeled(records, "UL"), "DL": _ul_unmodeled(records, "DL")},
         "devices": devices, "phase_errors": errors,
+        # Per upload format (dense, or top-k k): the measured acceptance and the UL-mode distribution bytes.
+        "payload": _by_payload(records),
+        # Per device and for the run: joules by term, tokens per joule, rounds over budget (testbed.energy).
+        "energy": summarize_energy(records),
     }
+
+
+def _by_payload(records: list[dict]) -> dict:
+    """Per draft distribution ("dense", or k as text): device-rounds, the acceptance rate (accepted /
+    (accepted + rejections), as per device), and over the UL-mode uploads the distribution bytes measured
+    (q_bytes) against the model's (L D / 8); per device too, under "devices"."""
+    out: dict[str, dict] = {}
+    for rec in records:
+        for name, d in rec["devices"].items():
+            if d.get("missed"):
+                continue
+            key = "dense" if d.get("topk_k") is None else str(d["topk_k"])
+            for s in (out.setdefault(key, {"devices": {}}), out[key]["devices"].setdefault(name, {})):
+                for f in ("device_rounds", "accepted", "rejections", "ul_uploads", "q_bytes", "q_bytes_model"):
+                    s.setdefault(f, 0)
+                s["device_rounds"] += 1
+                s["accepted"] += d.get("n_accepted") or 0
+                s["rejections"] += 1 if (d.get("n_accepted") or 0) < d["draft_len"] else 0
+                q = (d.get("measured") or {}).get("q_bytes")
+                if d["mode"] == "UL" and q is not None:
+                    s["ul_uploads"] += 1
+                    s["q_bytes"] += q
+                    s["q_bytes_model"] += d["predicted"].get("q_bytes") or 0
+    for entry in out.values():
+        for s in (entry, *entry["devices"].values()):
+            tried = s["accepted"] + s["rejections"]
+            s["acceptance_rate"] = s["accepted"] / tried if tried else None
+    return out
 
 
 def _num(value, fmt: str) -> str:
@@ -207,6 +241,13 @@ def format_summary(summary: dict) -> str:
         lines.append(f"{name:<10}{s['ul_rounds']:>8}{s['dl_rounds']:>8}{s['missed']:>7}{s['tokens']:>8}"
                      f"{_num(alpha, '.3f'):>8}{_num(s['accepted_per_drafted'], '.3f'):>9}"
                      f"{_num(s['mean_draft_len'], '.2f'):>8}")
+    pay = summary.get("payload") or {}
+    if any(k != "dense" for k in pay):  # a top-k run: acceptance and upload bytes per draft distribution
+        for key, s in sorted(pay.items(), key=lambda kv: (kv[0] != "dense", int(kv[0]) if kv[0].isdigit() else 0)):
+            label = "dense" if key == "dense" else f"top-k k={key}"
+            lines.append(f"draft {label}: {s['device_rounds']} device-rounds, "
+                         f"alpha {_num(s['acceptance_rate'], '.3f')}; {s['ul_uploads']} UL uploads, distribution "
+                         f"bytes {s['q_bytes']} measured, {s['q_bytes_model']:.0f} by the model (L D / 8)")
     lines += ["alpha: acceptance rate per drafted token tried = accepted / (accepted + rejections); acc/drft: "
               "accepted / drafted tokens (lower: drafts after a rejection are never tried); mean L: mean draft "
               "length [tokens]",
@@ -224,8 +265,30 @@ def format_summary(summary: dict) -> str:
                      f"{st['p95_abs_error']:>10.1%}{scale * st['median_abs_diff']:>11.3g}")
     lines.append("err: (measured - predicted) / predicted per sample; |diff|: |measured - predicted| in the unit "
                  "shown; names as in rounds.jsonl (docs/system-model.md, section 10)")
+    lines += _energy_lines(summary.get("energy"))
     lines += _notes(summary)
     return "\n".join(lines)
+
+
+def _energy_lines(energy: dict | None) -> list[str]:
+    """Per device: measured energy by term against the prediction, tokens per joule, the budget."""
+    if not energy or not energy.get("devices"):
+        return []
+    lines = ["", f"{'energy (meas)':<14}{'tx J':>9}{'rx J':>9}{'cmp J':>9}{'total J':>9}{'pred J':>9}{'tok/J':>8}"
+                 f"{'pred tok/J':>11}{'budget J':>10}{'max tx J':>10}{'over':>6}"]
+    for name, s in energy["devices"].items():
+        lines.append(f"{name:<14}{_num(s['measured_tx_j'], '.3g'):>9}{_num(s['measured_rx_j'], '.3g'):>9}"
+                     f"{_num(s['measured_compute_j'], '.3g'):>9}{_num(s['measured_energy_j'], '.3g'):>9}"
+                     f"{_num(s['predicted_energy_j'], '.3g'):>9}{_num(s['tokens_per_j'], '.3g'):>8}"
+                     f"{_num(s['predicted_tokens_per_j'], '.3g'):>11}{_num(s['budget_j'], '.3g'):>10}"
+                     f"{_num(s['max_tx_j'], '.3g'):>10}{s['over_budget']:>6}")
+    run = energy["run"]
+    lines.append(f"run: {_num(run['measured_energy_j'], '.4g')} J measured, {_num(run['predicted_energy_j'], '.4g')} J "
+                 f"predicted, {_num(run['tokens_per_j'], '.3g')} tokens/J")
+    lines.append("tx: UL power x UL air time; rx: receive power x DL air time; cmp: J per drafted token x tokens "
+                 "drafted (hardware profile); budget: energy_budget_j, per round, on tx; over: rounds whose measured "
+                 "tx exceeded it; '-': unknown (no energy fields in the hardware profile, or no measured air time)")
+    return lines
 
 
 def _notes(summary: dict) -> list[str]:

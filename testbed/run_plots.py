@@ -182,13 +182,82 @@ def plot_timeline(records: list[dict], path: Path, title: str | None = None) -> 
     return path
 
 
+ENERGY_TERMS = (("tx_j", "transmit", "tab:blue"), ("rx_j", "receive", "tab:orange"),
+                ("compute_j", "compute (drafting)", "tab:gray"))
+
+
+def has_energy(records: list[dict]) -> bool:
+    """Whether any device-round has a measured total energy (its hardware profile gave the energy fields)."""
+    return any((d.get("measured") or {}).get("energy_j") is not None
+               for r in records for d in r.get("devices", {}).values())
+
+
+def plot_energy(records: list[dict], path: Path, title: str | None = None) -> Path:
+    """Left: mean measured energy per round and device by term (stacked), the predicted total beside it, and
+    tokens per joule above; right: measured transmit energy per round against each device's budget."""
+    import matplotlib.pyplot as plt
+
+    from testbed.energy import summarize_energy
+
+    summary = summarize_energy(records) or {"devices": {}}
+    names = [n for n, s in summary["devices"].items() if s["rounds"]]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    x = np.arange(len(names))
+    bottom = np.zeros(len(names))
+    for key, label, color in ENERGY_TERMS:
+        per = np.array([(summary["devices"][n][f"measured_{key}"] or 0.0) / summary["devices"][n]["rounds"]
+                        for n in names])
+        ax.bar(x, per, 0.6, bottom=bottom, color=color, label=f"{label}, measured")
+        bottom += per
+    pred = [(summary["devices"][n]["predicted_energy_j"] or np.nan) / summary["devices"][n]["rounds"] for n in names]
+    ax.scatter(x, pred, marker="_", s=600, color="k", zorder=3, label="total, predicted")
+    for i, n in enumerate(names):
+        tpj = summary["devices"][n]["tokens_per_j"]
+        if tpj is not None:
+            ax.annotate(f"{tpj:.3g} tok/J", (x[i], max(bottom[i], np.nan_to_num(pred[i]))), ha="center",
+                        va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(x, names)
+    ax.set_ylabel("energy per round (J)")
+    ax.set_title("mean energy per round, by term", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, n in enumerate(names):
+        pts = [(r["round"], r["devices"][n]["measured"]["tx_j"]) for r in records
+               if n in r["devices"] and (r["devices"][n].get("measured") or {}).get("tx_j") is not None]
+        if not pts:
+            continue
+        color = colors[i % len(colors)]
+        bx.plot(*zip(*pts), marker="o", ms=3, lw=1, color=color, label=n)
+        budget = summary["devices"][n]["budget_j"]
+        if budget is not None:
+            bx.axhline(budget, color=color, ls="--", lw=1, label=f"{n} budget")
+            over = [(rr, v) for rr, v in pts if v > budget * (1 + 1e-9)]
+            if over:
+                bx.scatter(*zip(*over), marker="x", s=40, color="red", zorder=4)
+    _integer_rounds(bx)
+    bx.set_ylabel("transmit energy (J)")
+    bx.set_title("measured transmit energy per round (dashed: energy_budget_j; x: over it)", fontsize=10)
+    bx.grid(True, alpha=0.3)
+    bx.legend(fontsize=7, ncol=2)
+    fig.suptitle(_heading(records, title, "energy per device (tx: UL power x air time; rx: receive power x DL air "
+                                          "time; compute: J per drafted token)"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def write_run_plots(records: list[dict], out_dir: str | Path, title: str | None = None) -> list[Path]:
-    """goodput.png, phases.png and timeline.png in `out_dir`; `title` (e.g. the run directory's name)
-    heads every plot together with the policy."""
+    """goodput.png, phases.png and timeline.png in `out_dir` (and energy.png where the records carry a
+    measured energy); `title` (e.g. the run directory's name) heads every plot together with the policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return [plot_goodput(records, out / "goodput.png", title), plot_phases(records, out / "phases.png", title),
-            plot_timeline(records, out / "timeline.png", title)]
+    paths = [plot_goodput(records, out / "goodput.png", title), plot_phases(records, out / "phases.png", title),
+             plot_timeline(records, out / "timeline.png", title)]
+    if has_energy(records):
+        paths.append(plot_energy(records, out / "energy.png", title))
+    return paths

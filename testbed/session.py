@@ -36,6 +36,7 @@ from edge_node.server import EdgeServer
 from edge_node.verifier import BatchedVerifier, load_target
 from testbed import report
 from testbed.controller import Controller
+from testbed.core import payload
 from testbed.core.sampling import SamplingParams
 from testbed.core.scenario import Scenario
 from testbed.errors import TestbedError
@@ -51,6 +52,7 @@ from testbed.launcher import (
     status_of,
     tcp_port,
 )
+from testbed.plugins import load_channel_source
 from testbed.profile import Profile, ProfileError, load_profile
 from testbed.records import RunRecorder, iter_rounds
 from testbed.runs_index import pid_alive
@@ -126,6 +128,10 @@ def build_session(profile: Profile, run_dir: Path, pair: dict, *, start_devices:
         raise TestbedError(f"on_air_vocab_size: {profile.on_air_vocab_size} is smaller than the model's "
                            f"vocabulary {vocab}")
     scenario = profile.scenario_obj(vocab)
+    too_big = [k for k in payload.options(scenario) if k is not None and k > vocab]
+    if too_big:  # a top-k upload sends k distinct ids of the model's vocabulary
+        raise TestbedError(f"scenario: top-k k={too_big[0]} (topk_k / topk_choices) exceeds the model's vocabulary "
+                           f"{vocab}; use k <= {vocab}")
     hardware = load_device_hardware(profile, [d.name for d in scenario.devices])
     if start_devices is None:
         start_devices = profile.start_devices and profile.deployment == "emulation"
@@ -157,7 +163,7 @@ def make_controller(profile: Profile, scenario: Scenario, hardware: dict[str, Ha
         # The channel's realizations are seeded like the run unless the profile seeds them itself.
         channel_state = ChannelState.from_config(
             {**profile.channel.state, "seed": profile.channel.state.get("seed", profile.seed)},
-            list(profile.scenario["devices"]))
+            list(profile.scenario["devices"]), resolve=load_channel_source)  # plug-in sources too
     est = profile.estimator
     return Controller(scenario, policy=profile.policy, fixed_length=profile.fixed_length, seed=profile.seed,
                       channel_state=channel_state, compute_scale={n: h.compute_scale for n, h in hardware.items()},
@@ -316,7 +322,8 @@ def start_edge(s: LiveSession) -> None:
                               on_air_vocab_size=p.on_air_vocab_size, vocab_size=s.vocab,
                               channel_mode=p.channel.mode, base_latency_s=p.channel.base_latency_s,
                               recorder=s.recorder, policy=p.policy, prompt_texts=texts,
-                              measure_links=p.channel.measure_links, keys_dir=p.keys_dir)
+                              measure_links=p.channel.measure_links, keys_dir=p.keys_dir,
+                              heartbeat_s=p.heartbeat_s, liveness=p.liveness)
     except zmq.ZMQError as exc:  # a port taken since check_endpoints, or an address not of this host
         hp = tcp_port(bind)
         if exc.errno == zmq.EADDRINUSE and hp is not None:
@@ -355,18 +362,17 @@ def start_devices(s: LiveSession, connect: str) -> None:
     s.launcher.device_connect = connect  # on_round callbacks start replacement devices there
     s.launcher.keys_dir = s.profile.keys_dir
     if s.start_devices:
-        for n in s.names:
-            s.launcher.start_device(n, connect, s.pair["draft_onnx"], s.profile.hardware.get(n),
-                                    extra_args=link_probe_args(s, n))
-    s.recorder.update_meta(pids=s.launcher.pids())  # what to look for if this process is killed
+        s.launcher.start_devices(connect, s.pair["draft_onnx"], device_specs(s),
+                                 per_process=s.profile.devices_per_process)
+    # What to look for if this process is killed; which process runs which device.
+    s.recorder.update_meta(pids=s.launcher.pids(), device_processes=dict(s.launcher.device_procs))
 
 
-def link_probe_args(s: LiveSession, name: str) -> list[str]:
-    """The device's link probe options (`link_probe.<name>` of the profile), or none."""
-    spec = s.profile.link_probe.get(name, "none")
-    if spec == "none":
-        return []
-    return ["--link-probe", spec, "--link-probe-period-s", str(s.profile.link_probe_period_s)]
+def device_specs(s: LiveSession) -> list[dict]:
+    """Per device: its name, hardware profile and link probe (`hardware.<name>`, `link_probe.<name>`)."""
+    p = s.profile
+    return [{"name": n, "hardware": p.hardware.get(n), "link_probe": p.link_probe.get(n, "none"),
+             "link_probe_period_s": p.link_probe_period_s} for n in s.names]
 
 
 def wait_for_devices(s: LiveSession) -> None:
@@ -381,20 +387,36 @@ def wait_for_devices(s: LiveSession) -> None:
         if not missing or time.monotonic() >= deadline:
             break
         procs = s.launcher.procs
-        if all(n in told or (s.start_devices and procs[f"device-{n}"].poll() is not None) for n in missing):
+        if all(n in told or (s.start_devices and procs[s.launcher.device_label(n)].poll() is not None)
+               for n in missing):
             break  # nobody left who could still register
     if not missing:
         return
-    failed = s.launcher.failed()
+    failed = exited_devices(s.launcher)
     detail = ""
     if failed:
-        said = "; ".join(f"{k} (status {c}: {s.launcher.last_line(k)})" for k, c in failed.items())
-        detail = f"; exited: {said} (logs in {s.run_dir / 'logs'})"
+        detail = f"; exited: {'; '.join(failed)} (logs in {s.run_dir / 'logs'})"
     elif any(n in told for n in missing):
         detail = "; " + "; ".join(f"{n}: {told[n]}" for n in missing if n in told)
     if len(missing) == len(s.names):
         raise TestbedError(f"no device registered within {wait_s:g} s{detail}")
     log.warning("devices %s did not register; running without them%s", missing, detail)
+
+
+def exited_devices(launcher: Launcher) -> list[str]:
+    """One entry per process that exited with a non-zero status, with its last log line; a host process of
+    several devices (`devices_per_process`) names each of its devices."""
+    by_label: dict[str, list[str]] = {}
+    for name, (label, _) in launcher.device_failures().items():
+        by_label.setdefault(label, []).append(name)
+    codes = launcher.failed()
+    out = [f"{label} (status {c}: {launcher.last_line(label)})" for label, c in codes.items()
+           if label not in launcher.device_procs.values()]  # the emulator, say
+    for label, names in by_label.items():
+        said = f"status {codes[label]}: {launcher.last_line(label)}"
+        out.append(f"{label} ({said})" if names == [label.removeprefix("device-")] else
+                   f"devices {', '.join(names)} (in {label}, {said})")
+    return out
 
 
 def run_rounds(s: LiveSession, progress: bool, on_round) -> list[dict]:

@@ -89,6 +89,23 @@ def test_uncharged_message_waits_behind_a_held_one_of_its_link(bench):
     assert b.proxy.counters["queued_behind"] == 1
 
 
+def test_a_heartbeat_overtakes_a_held_verdict_of_its_link(bench):
+    # A verdict held for long (here 0.5 s) must not hold the edge's heartbeats: the device would count the
+    # edge as gone after its liveness window.
+    b = bench()
+    d = b.device("dev0")
+    d.send(encode_header({"type": "register"}))
+    b.edge.recv_multipart()
+    b.control().configure(links={"dev0": {"ul_rate_bps": 1e6, "dl_rate_bps": 1e4}})
+    b.edge.send_multipart([b"dev0", encode_header({"type": "verdict", "air": "dl"}), bytes(600)])
+    b.edge.send_multipart([b"dev0", encode_header({"type": "heartbeat"})])
+    t0 = time.monotonic()
+    first = decode_header(d.recv_multipart()[0])
+    assert first["type"] == "heartbeat" and time.monotonic() - t0 < 0.3
+    assert decode_header(d.recv_multipart()[0])["type"] == "verdict"
+    assert b.proxy.counters["heartbeat_overtook"] == 1
+
+
 def test_identities_are_capped_and_the_idle_ones_reaped(bench):
     b = bench(max_identities=3)
     for i in range(6):

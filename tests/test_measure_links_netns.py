@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,92 @@ def test_the_edge_estimates_a_tbf_limited_uplink_from_a_live_run(micro_pair, vet
     print("UL-mode uploads after the fit:", len(big), "median |err| of ul_air_s:",
           errs[len(errs) // 2] if errs else None)
     assert big and errs[len(errs) // 2] < 0.10
+
+
+def _start(veth, profile: dict, tmp_path: Path, micro_pair) -> tuple[subprocess.Popen, subprocess.Popen, Path]:
+    """The edge in namespace a, the device in namespace b; returns (edge, device, runs dir)."""
+    edge_ep = f"tcp://{veth.addr_a}:5556"
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    runs = tmp_path / "runs"
+    edge = subprocess.Popen(veth.exec_args(veth.ns_a, sys.executable, "-m", "testbed.cli", "edge", "--profile",
+                                           str(path), "--bind", edge_ep, "--runs-dir", str(runs), "--quiet"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    device = subprocess.Popen(veth.exec_args(veth.ns_b, sys.executable, "-m", "testbed.cli", "device", "--connect",
+                                             edge_ep, "--name", "d0", "--draft", str(micro_pair.draft_onnx)),
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return edge, device, runs
+
+
+def _rounds_so_far(runs: Path) -> int:
+    files = list(runs.glob("*/rounds.jsonl"))
+    return files[0].read_text().count("\n") if files else 0
+
+
+def test_the_optimizer_moves_a_device_between_modes_when_the_tbf_limit_changes_mid_run(micro_pair, veth,
+                                                                                      tmp_path):
+    """Uplink slow and downlink fast: DL mode (the edge sends the target distribution). Then the limits are
+    swapped mid-run: the edge's estimates follow the link and the plan moves the device to UL mode."""
+    from channel_emulator.tc_backend import TcShaper, TcUnavailable
+
+    slow, fast = 4e6, 40e6
+    try:
+        uplink = TcShaper(veth.if_b, netns=veth.ns_b, qdisc="tbf")  # the device's egress
+        downlink = TcShaper(veth.if_a, netns=veth.ns_a, qdisc="tbf")  # the edge's egress
+        # A queue of 0.2 s: with tbf's default 50 ms, TCP's window from the fast phase overflows the queue
+        # when the limit drops, and retransmission timeouts stall the link for seconds.
+        uplink.set_rate(slow, latency_s=0.2)
+        downlink.set_rate(fast, latency_s=0.2)
+    except (TcUnavailable, RuntimeError) as exc:
+        pytest.skip(f"tc tbf is not available here: {exc}")
+    switch_at, rounds = 25, 60
+    profile = {
+        "name": "mode-switch", "deployment": "lan", "security": "insecure", "seed": 7, "rounds": rounds,
+        "policy": "proposed", "deadline_s": 20.0, "wait_for_devices_s": 90,
+        # TCP's window from the fast phase overflows tbf's queue when the limit drops: retransmission
+        # timeouts then hold a message for seconds, longer than the default 5 s liveness window.
+        "heartbeat_s": 1.0, "liveness": 20,
+        "prompts": ["def parse(text):"], "on_air_vocab_size": 151936,
+        "model": {"pair": "local", "target": str(micro_pair.target_dir), "draft_onnx": str(micro_pair.draft_onnx),
+                  "tokenizer": str(micro_pair.tokenizer), "threads": 1},
+        "channel": {"mode": "passthrough", "measure_links": True, "state": {"source": "model", "fading": "none"}},
+        # The modeled (Shannon) rates stand in for a direction not measured yet: ~30 Mbit/s either way, between
+        # the two limits. A DL-mode verdict carries one distribution, a UL-mode upload one per drafted token.
+        "scenario": {"bits_per_prob": 16, "max_draft_len": 4, "uplink_bandwidth_hz": 3e6,
+                     "downlink_bandwidth_hz": 3e6, "downlink_power_w": 0.2,
+                     "devices": [{"name": "d0", "distance_m": 150, "draft_time_s": 0.001, "acceptance": 0.6}]},
+    }
+    edge, device, runs = _start(veth, profile, tmp_path, micro_pair)
+    try:
+        end = time.monotonic() + 240
+        while _rounds_so_far(runs) < switch_at:
+            assert edge.poll() is None, edge.communicate()[0][-3000:]
+            assert time.monotonic() < end, "too few rounds before the switch"
+            time.sleep(0.1)
+        uplink.set_rate(fast, latency_s=0.2)
+        downlink.set_rate(slow, latency_s=0.2)
+        switched = _rounds_so_far(runs)
+        out, _ = edge.communicate(timeout=300)
+        device_log = device.communicate(timeout=30)[1]
+        assert edge.returncode == 0, out[-3000:] + "\ndevice:\n" + device_log[-3000:]
+    finally:
+        for p in (edge, device):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=10)
+    (run_dir,) = list(runs.iterdir())
+    meta, records = load_run(run_dir)
+    assert meta["status"] == "complete"
+    modes = [r["devices"]["d0"]["mode"] for r in records]
+    rates = [r["devices"]["d0"].get("link_rate_bps") or {} for r in records]
+    print("\nmodes:", "".join(m[0] for m in modes), "switched after round", switched)
+    print("planned rates (Mbit/s) at the switch and at the end:",
+          [{k: v and round(v / 1e6, 2) for k, v in x.items()} for x in (rates[switched - 1], rates[-1])])
+    before, after = modes[switched - 10:switched], modes[-10:]
+    assert before.count("DL") >= 9, modes
+    assert after.count("UL") >= 9, modes
+    # The move came from the measured links, within a few rounds of the change (7 seen on 2 cores).
+    assert "UL" in modes[switched:switched + 15], modes
+    # The plan stood on the measured rates: within 10% of the tbf limits in both phases.
+    assert rates[switched - 1]["dl"] == pytest.approx(fast, rel=0.10)
+    assert rates[-1]["ul"] == pytest.approx(fast, rel=0.10) and rates[-1]["dl"] == pytest.approx(slow, rel=0.10)

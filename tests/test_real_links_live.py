@@ -91,7 +91,8 @@ def test_trace_replay_profile_follows_its_traces_on_the_micro_pair(micro_pair, t
                 errors.append(abs(got / want - 1))
                 assert got == pytest.approx(want, rel=0.01), (rec["round"], name)
     assert len(errors) >= 15
-    # The rates did change over the run: a trace, not a constant.
-    assert len({rec["devices"]["dev0"]["trace_rate_bps"]["ul"] for rec in records}) >= 3
+    # The rates did change over the run: a trace, not a constant (how many values 10 rounds see depends on
+    # how long they took: 2 on a fast run, more on a slow one).
+    assert len({rec["devices"]["dev0"]["trace_rate_bps"]["ul"] for rec in records}) >= 2
     paths = write_run_plots(records, tmp_path / "plots", "trace-replay")
     assert all(p.stat().st_size > 0 for p in paths)

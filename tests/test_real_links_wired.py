@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import pytest
 
 from channel_emulator.state import ChannelState
@@ -14,7 +15,8 @@ from channel_emulator.traces import load_mahimahi, load_throughput_csv
 from device_node.link_probe import LinkMeasurement
 from device_node.node import link_reading
 from testbed import PROFILES_DIR
-from testbed.controller import Controller, DeviceOutcome, channel_links, fix_rates, round_record
+from testbed.controller import Controller, DeviceOutcome, channel_links, round_record
+from testbed.core import model
 from testbed.core.optimizer import plan
 from testbed.core.scenario import Scenario
 from testbed.link_estimate import LinkEstimator, fit_line
@@ -49,26 +51,55 @@ def test_link_reading_carries_the_age_not_the_clock_and_keeps_within_the_wire_bo
     assert parsed.link["error"] == bad["error"]
 
 
-# --- the plan: fixed rates through the gain -------------------------------------------------------------
+# --- the plan: fixed rates in the core model -------------------------------------------------------------
+
+def _fixed(sc, rates: dict) -> object:
+    return sc.with_device_updates({n: {"fixed_ul_rate_bps": r.get("ul"), "fixed_dl_rate_bps": r.get("dl")}
+                                   for n, r in rates.items()})
+
 
 @pytest.mark.parametrize("rate", [2e5, 6e6, 34.7e6])
-def test_fix_rates_gives_the_plan_the_trace_ul_rate_at_full_power(rate):
-    sc = fix_rates(_scenario(energy_budget_j=1e-4), {"a": {"ul": rate, "dl": None}})
+def test_a_fixed_ul_rate_is_planned_as_it_is_at_full_power_whatever_the_gain(rate):
+    sc = _fixed(_scenario(energy_budget_j=1e-4), {"a": {"ul": rate}})
     a = sc.devices[0]
-    assert a.energy_budget_j is None  # power control has no effect on a fixed rate: P^max
     for policy in ("all-ul", "all-dl", "proposed"):
         d = {p.name: p for p in plan(sc, policy).device_plans()}["a"]
-        assert d.ul_rate_bps == pytest.approx(rate, rel=1e-6) and d.ul_power_w == pytest.approx(a.max_power_w)
+        # power control has no effect on a fixed rate: P^max, and the energy budget does not lower it
+        assert d.ul_rate_bps == pytest.approx(rate, rel=1e-9) and d.ul_power_w == pytest.approx(a.max_power_w)
+    # The gain is the device's own: its modeled DL rate is untouched by the fixed UL rate.
+    free = {p.name: p for p in plan(_scenario(energy_budget_j=1e-4), "all-dl").device_plans()}["a"]
+    assert {p.name: p for p in plan(sc, "all-dl").device_plans()}["a"].dl_rate_bps == pytest.approx(
+        free.dl_rate_bps, rel=1e-9)
 
 
-def test_fix_rates_dl_at_an_equal_share_and_both_directions():
-    sc = fix_rates(_scenario(), {"a": {"ul": None, "dl": 8e6}, "b": {"ul": 3e6, "dl": 5e6}})
-    # Every device in DL mode with an equal power split: the planned DL rates are the fixed ones.
-    ev = {p.name: p for p in plan(sc, "all-dl-equal-power").device_plans()}
-    assert ev["a"].dl_rate_bps == pytest.approx(8e6, rel=1e-6)
-    assert ev["b"].dl_rate_bps == pytest.approx(5e6, rel=1e-6)
-    # Both fixed: the DL sets the gain, the UL power is the one that gives the UL rate with it.
-    assert ev["b"].ul_rate_bps == pytest.approx(3e6, rel=1e-6)
+def test_fixed_dl_rates_are_planned_as_they_are_and_take_no_downlink_power():
+    data = _scenario().model_dump(exclude_none=True)
+    data["devices"].append({"name": "c", "distance_m": 200, "draft_time_s": 0.001, "acceptance": 0.7})
+    base = Scenario.from_dict(data)
+    sc = _fixed(base, {"a": {"dl": 8e6}, "b": {"ul": 3e6, "dl": 5e6}})
+    for policy in ("all-dl", "all-dl-equal-power", "proposed", "all-ul"):
+        ev = {p.name: p for p in plan(sc, policy).device_plans()}
+        assert ev["b"].ul_rate_bps == pytest.approx(3e6, rel=1e-9)
+        for name, rate in (("a", 8e6), ("b", 5e6)):
+            if ev[name].mode == "DL":
+                assert ev[name].dl_rate_bps == pytest.approx(rate, rel=1e-9)
+    # A measured DL rate leaves the device's modeled UL rate as it was (one gain no longer serves both).
+    free = {p.name: p for p in plan(base, "all-ul").device_plans()}["a"]
+    assert {p.name: p for p in plan(sc, "all-ul").device_plans()}["a"].ul_rate_bps == pytest.approx(
+        free.ul_rate_bps, rel=1e-9)
+    # A fixed-rate device takes no DL power: the optimal split gives all of P_s to the others.
+    ev = model.evaluate(sc, ["DL"] * sc.num_devices, [2] * sc.num_devices)
+    fixed = np.isfinite(sc.fixed_rates_bps("dl"))
+    assert np.all(ev.dl_power_w[fixed] == 0) and ev.dl_power_w[~fixed].sum() == pytest.approx(sc.downlink_power_w)
+
+
+def test_the_optimizer_follows_fixed_rates_between_modes():
+    # Uplink far faster than the downlink: UL mode; the other way round: DL mode (the plan is told the rates).
+    sc = _scenario()
+    fast_ul = _fixed(sc, {d.name: {"ul": 2e8, "dl": 1e5} for d in sc.devices})
+    fast_dl = _fixed(sc, {d.name: {"ul": 1e5, "dl": 2e8} for d in sc.devices})
+    assert set(plan(fast_ul, "proposed").modes) == {"UL"}
+    assert set(plan(fast_dl, "proposed").modes) == {"DL"}
 
 
 def _trace_controller(tmp_path) -> Controller:
@@ -179,6 +210,33 @@ def test_the_line_fit_recovers_a_rate_from_one_sided_noise_and_claims_none_on_a_
     assert entries[0]["s"] is None and entries[-1]["s"] == pytest.approx(8 * sizes[-1] / rate, rel=0.2)
     assert est.rates("d")["ul"] == pytest.approx(rate, rel=0.01) and est.rates("d")["dl"] is None
     assert math.isfinite(entries[-1]["fit"]["resid_rms_s"])
+
+
+def test_the_estimate_follows_a_link_whose_rate_changes():
+    import random
+
+    rng = random.Random(4)
+    sizes = [400, 130_000, 262_000, 393_000]
+    est = LinkEstimator(window=40)
+    for rate in (20e6, 4e6, 20e6):  # a tbf limit lowered, then lifted, mid-run
+        for k in range(4 * 4):  # each size group sees 4 messages at the new rate (GROUP_RECENT)
+            s = sizes[k % 4]
+            est.observe("d", "ul", s, 0.004 + 8 * s / rate + rng.expovariate(2000.0))
+        assert est.rates("d")["ul"] == pytest.approx(rate, rel=0.05)
+
+
+def test_a_direction_of_one_message_size_takes_its_intercept_from_the_other_directions_small_messages():
+    # DL mode at one draft length: every verdict measured is one distribution (304 kB), every upload small.
+    est = LinkEstimator()
+    for k in range(6):
+        est.observe("d", "ul", 344 + k, 0.004 + 8 * 344 / 30e6)
+        est.observe("d", "dl", 304_005, 0.004 + 8 * 304_005 / 4e6 + 1e-4 * k)
+    assert est.rates("d")["ul"] is None  # the uplink's small messages alone tell no rate
+    assert est.rates("d")["dl"] == pytest.approx(4e6, rel=0.01)
+    # ... nor do they next to smaller ones of the other direction (a token verdict): no anchor for them.
+    est.observe("d", "dl", 72, 0.0006)
+    est.observe("d", "ul", 344, 0.0035)
+    assert est.rates("d")["ul"] is None
 
 
 def test_a_bad_link_probe_spec_stops_the_device_at_start_saying_why(tmp_path):

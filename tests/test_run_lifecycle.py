@@ -25,7 +25,7 @@ import yaml
 from testbed.errors import TestbedError
 from testbed.launcher import Launcher, RunInterrupted, interrupt_signals, run_live
 from testbed.profile import load_profile
-from testbed.records import RunRecorder, load_run
+from testbed.records import RunRecorder, load_run, new_run_dir
 
 CLI = [sys.executable, "-c", "import sys; from testbed.cli import main; sys.exit(main(sys.argv[1:]))"]
 
@@ -357,6 +357,11 @@ def test_a_failed_write_leaves_no_torn_line_and_ends_with_a_clear_error(tmp_path
     assert [json.loads(x)["round"] for x in (tmp_path / "rounds.jsonl").read_text().splitlines()] == [0, 1, 2]
     rec.end_run("failed", "why", {"rounds": 3})
     assert json.loads((tmp_path / "summary.json").read_text()) == {"rounds": 3, "status": "failed", "reason": "why"}
+
+
+def test_a_run_folder_named_after_a_plug_in_policy_is_a_plain_name(tmp_path):
+    path = new_run_dir(tmp_path, "edge-mypkg.policies:My/Policy")
+    assert path.parent == tmp_path and path.name.endswith("-edge-mypkg.policies-My-Policy")
 
 
 def test_a_signal_during_fsync_keeps_the_whole_line_it_interrupted(tmp_path, monkeypatch):

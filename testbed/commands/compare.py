@@ -16,7 +16,9 @@ def register(subparsers) -> None:
                                           "predicted goodput (mean ± std over the repeats) and plots/ with a bar "
                                           "chart. `multispin report` on that directory shows it again.")
     p.add_argument("profile", nargs="?", default=None, help="profile YAML or name in profiles/ (default: emulation)")
-    p.add_argument("--policies", default="proposed,all-ul,all-dl", help="comma-separated policy names")
+    p.add_argument("--policies", default="proposed,all-ul,all-dl",
+                   help="comma-separated policies: built-in names, installed plug-ins (multispin plugins) or Python "
+                        "paths module:Class")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per policy; repeat r uses seed + r (prompts, sampling and channel draws change), "
                         "the policies of one repeat share it (default 1)")
@@ -31,19 +33,59 @@ def register(subparsers) -> None:
 
 
 def run_name(policy: str, repeat: int, repeats: int) -> str:
-    """A run's folder in the compare directory: the policy (one repeat), or policy-rep<r>."""
+    """A run's folder in the compare directory: the policy (one repeat), or policy-rep<r>; a plug-in's Python
+    path (module:Class) with every character but letters, digits, '.', '_' and '-' as '-'."""
+    import re
+
+    policy = re.sub(r"[^A-Za-z0-9._-]", "-", policy)
     return policy if repeats == 1 else f"{policy}-rep{repeat}"
 
 
-def handle(args) -> int:
+def policy_profile(base, policy: str, repeat: int):
+    """The profile of one policy and repeat: repeat r uses seed + r, shared by the policies of that repeat (the
+    same prompts, sampling and channel draws)."""
+    return base.model_copy(update={"policy": policy, "seed": base.seed + repeat})
+
+
+def run_policy(profile, run_dir: Path, pair: dict, *, progress: bool, plots: bool, title: str,
+               resume=None, on_round=None):
+    """One run of a comparison (or a campaign): the live run, its plots, and its `RunInfo`."""
+    from testbed.launcher import run_live
+    from testbed.records import load_run
+    from testbed.runs_index import run_info
+
+    run_live(profile, run_dir, progress=progress, pair=pair, resume=resume, on_round=on_round)
+    if plots:
+        from testbed import report
+
+        _, records = load_run(run_dir)
+        if records:
+            report.write_plots(records, run_dir / "plots", title=title)
+    return run_info(run_dir)
+
+
+def write_comparison(parent: Path, policies: list[str], repeats: int, infos: list, *, plots: bool):
+    """compare.txt, compare.json and (with `plots`) plots/compare_goodput.png of a compare directory; returns
+    (per-policy rows, the table as text, the plot paths)."""
     import json
 
+    from testbed.runs_index import aggregate, format_aggregate, plot_compare
+
+    rows = aggregate(infos)
+    text = format_aggregate(rows, reference=policies[0])
+    (parent / "compare.txt").write_text(text + "\n")
+    (parent / "compare.json").write_text(json.dumps({"policies": policies, "repeats": repeats, "per_policy": rows,
+                                                      "runs": [i.as_dict() for i in infos]}, indent=2))
+    paths = plot_compare(rows, Path(parent) / "plots", title=parent.name) if plots else []
+    return rows, text, paths
+
+
+def handle(args) -> int:
     from testbed.cli import CliError
     from testbed.commands.run import load, print_config
     from testbed.config_override import policy_list
-    from testbed.launcher import require_edge_extra, resolve_pair, run_live
-    from testbed.records import load_run, new_run_dir
-    from testbed.runs_index import aggregate, format_aggregate, plot_compare, run_info
+    from testbed.launcher import require_edge_extra, resolve_pair
+    from testbed.records import new_run_dir
 
     policies = policy_list(args.policies)
     if args.repeats < 1:
@@ -60,26 +102,15 @@ def handle(args) -> int:
     # lands on every policy alike instead of on the last one.
     for r in range(args.repeats):
         for policy in policies:
-            profile = base.model_copy(update={"policy": policy, "seed": base.seed + r})
+            profile = policy_profile(base, policy, r)
             run_dir = parent / run_name(policy, r, args.repeats)
             print(f"== {policy}" + (f", repeat {r + 1}/{args.repeats} (seed {profile.seed})" if args.repeats > 1
                                     else "") + f": {run_dir}", flush=True)
-            run_live(profile, run_dir, progress=not args.quiet, pair=pair)
-            if not args.no_plots:
-                from testbed import report
-
-                _, records = load_run(run_dir)
-                if records:
-                    report.write_plots(records, run_dir / "plots", title=f"{parent.name}/{run_dir.name}")
-            infos.append(run_info(run_dir))
-    rows = aggregate(infos)
-    text = format_aggregate(rows, reference=policies[0])
+            infos.append(run_policy(profile, run_dir, pair, progress=not args.quiet, plots=not args.no_plots,
+                                    title=f"{parent.name}/{run_dir.name}"))
+    _, text, paths = write_comparison(parent, policies, args.repeats, infos, plots=not args.no_plots)
     print(text)
-    (parent / "compare.txt").write_text(text + "\n")
-    (parent / "compare.json").write_text(json.dumps({"policies": policies, "repeats": args.repeats,
-                                                      "per_policy": rows,
-                                                      "runs": [i.as_dict() for i in infos]}, indent=2))
-    if not args.no_plots:
-        print("plots: " + ", ".join(str(p) for p in plot_compare(rows, Path(parent) / "plots", title=parent.name)))
+    if paths:
+        print("plots: " + ", ".join(str(p) for p in paths))
     print(f"compare directory: {parent} (multispin report {parent})")
     return 0

@@ -2,6 +2,7 @@
 
   multispin models build [--micro] [--cache-dir DIR] [--force] [--no-progress] [--threads N]
   multispin models info [--micro | --dir DIR] [--json] [--check]
+  multispin models pack --out DIR [--micro | --dir DIR] [--evaluate] [--threads N]
   multispin models export --model HF_DIR_OR_GGUF --out draft.onnx
 """
 
@@ -32,6 +33,17 @@ def register(subparsers) -> None:
     i.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     i.add_argument("--check", action="store_true", help="verify file sizes and sha256 against the manifest")
     i.set_defaults(handler=_info)
+
+    k = sub.add_parser("pack", help="write a built pair in the shipped form (float16 weights, shipped.json): "
+                                    "how edge_node/pairs/ is made")
+    _pair_args(k)
+    k.add_argument("--dir", type=Path, help="a pair directory (overrides --micro/--cache-dir)")
+    k.add_argument("--out", type=Path, required=True,
+                   help="folder to write <name>-<config hash>/ into (the package's: edge_node/pairs)")
+    k.add_argument("--evaluate", action="store_true",
+                   help="re-run the build's evaluation on the float16-rounded pair and record it (minutes)")
+    k.add_argument("--threads", type=int, default=None, help="torch threads for --evaluate (default: all cores)")
+    k.set_defaults(handler=_pack)
 
     e = sub.add_parser("export", help="export a draft model (HF directory or GGUF file) to ONNX with a KV cache")
     e.add_argument("--model", type=Path, required=True, help="Hugging Face model directory or .gguf file")
@@ -64,12 +76,22 @@ def _build(args) -> int:
             raise CliError(f"--threads {args.threads}: must be >= 1")
         config = dataclasses.replace(config, threads=args.threads)
     root = pair_dir(config, args.cache_dir)
-    if args.force:
+    # `build` trains: a pair unpacked from the package's shipped copy is rebuilt, not reused
+    if args.force or "shipped" in _manifest_or_empty(root):
         paths = build_pair(config, root, progress=not args.no_progress)
     else:
-        paths = ensure_pair(config, args.cache_dir, progress=not args.no_progress)
+        paths = ensure_pair(config, args.cache_dir, progress=not args.no_progress, shipped=False)
     _print_summary(paths.root)
     return 0
+
+
+def _manifest_or_empty(root: Path) -> dict:
+    from edge_node.model_pair import load_manifest
+
+    try:
+        return load_manifest(root)
+    except (FileNotFoundError, ValueError):
+        return {}
 
 
 def _print_summary(root: Path) -> None:
@@ -93,6 +115,11 @@ def _print_summary(root: Path) -> None:
     lines.append(f"build       {m['build_seconds']:.0f} s on {m['threads']} threads "
                  f"({', '.join(f'{k} {v:.0f}' for k, v in m['timings'].items())})")
     lines.append(f"onnx        {m['onnx']['path']} ({m['onnx']['exporter']})")
+    if "shipped" in m:
+        built = m.get("build_metrics", {}).get("acceptance_rate")
+        lines.append(f"weights     float16 as shipped in the package, widened to float32 in "
+                     f"{m['shipped']['materialize_seconds']:.0f} s"
+                     + (f"; the float32 build's alpha was {built:.3f}" if built is not None else ""))
     print("\n".join(lines))
 
 
@@ -114,6 +141,38 @@ def _info(args) -> int:
         if bad:
             raise CliError(f"files differ from the manifest: {', '.join(bad)}")
         print(f"files       {len(manifest['files'])} files match the manifest")
+    return 0
+
+
+def _pack(args) -> int:
+    from edge_node.model_pair import load_manifest, pair_dir
+    from edge_node.shipped_pair import SHIPPED_MANIFEST, ShippedPairError, pack
+
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads {args.threads}: must be >= 1")
+    root = args.dir if args.dir is not None else pair_dir(_config(args), args.cache_dir)
+    try:
+        load_manifest(root)
+    except FileNotFoundError as exc:
+        flag = " --micro" if args.micro else ""
+        raise CliError(f"{exc}; build it with `multispin models build{flag}`") from None
+    corpus_dir = pair_dir(_config(args), args.cache_dir).parent / "corpus-cache"
+    try:
+        dest = pack(Path(root), args.out, evaluate=args.evaluate, corpus_dir=corpus_dir, threads=args.threads or 0)
+    except (ShippedPairError, RuntimeError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    shipped = json.loads((dest / SHIPPED_MANIFEST).read_text())
+    size = sum(f["bytes"] for f in shipped["files"].values())
+    print(f"packed      {dest}: {len(shipped['files'])} files, {size / 1e6:.1f} MB (weights float16)")
+    ev = shipped.get("evaluation")
+    if ev:
+        print(f"evaluation  rounded pair: alpha {ev['acceptance_rate']:.4f} (temperature 1; build "
+              f"{shipped['build']['acceptance_rate']:.4f}), greedy alpha {ev['acceptance']['greedy']['alpha']:.4f} "
+              f"(build {shipped['build']['acceptance']['greedy']['alpha']:.4f}), {ev['seconds']:.0f} s")
+        for role, a in ev.get("greedy_agreement_with_build", {}).items():
+            print(f"greedy      {role}: {a['identical_sequences']}/{a['sequences']} outputs identical to the "
+                  f"float32 build's, {a['tokens_before_first_difference']}/{a['tokens']} tokens before the "
+                  "first difference")
     return 0
 
 

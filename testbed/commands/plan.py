@@ -1,4 +1,5 @@
-"""`multispin plan SCENARIO.yaml [--policy NAME] [--fixed-length N] [--json]`: one round's schedule."""
+"""`multispin plan SCENARIO.yaml [--policy NAME] [--fixed-length N] [--json]`: one round's schedule;
+`--channel-rounds R` plans R rounds of a run profile's channel state as the live controller would."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ def register(subparsers) -> None:
         description="Plan one round for a scenario and print the predicted goodput and per-device schedule. "
                     "Policies: " + "; ".join(f"{k}: {v}" for k, v in POLICIES.items()))
     p.add_argument("scenario", help="scenario YAML or a name in profiles/ (a run profile: its scenario: section)")
-    p.add_argument("--policy", default="proposed", help=f"one of: {', '.join(POLICIES)} (default proposed)")
+    p.add_argument("--policy", default="proposed",
+                   help=f"one of: {', '.join(POLICIES)} (default proposed); or a plug-in: the name of an installed "
+                        "one (multispin plugins) or a Python path module:Class (docs/extending.md)")
     p.add_argument("--fixed-length", type=int, default=None,
                    help="draft length of the fixed-length policy (default 4; clamped to max_draft_len)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random-modes policy")
+    p.add_argument("--channel-rounds", type=int, default=None, metavar="R",
+                   help="a run profile with channel.state: plan rounds 0..R-1 on its channel source (a plug-in too) "
+                        "as the live controller does (fallback included), the clock advancing by each planned "
+                        "round time; prints one line per round")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(handler=run)
 
@@ -64,6 +71,13 @@ def format_plan(d: dict) -> str:
             f"{x['dl_rate_bps'] / 1e6:>9.3g} {x['ul_power_w']:>6.3f} {x['dl_power_w']:>6.3f}")
     lines.append("uplink_phase_s = draft_s + ul_air_s; dl_air_s: DL air time (DL mode), the reply time c_r "
                  "(UL mode); E_tokens: expected output tokens per round; docs/system-model.md, section 5")
+    pay = d.get("payload")
+    if pay:  # the upload format chosen with the plan (topk_choices): every option's goodput
+        opts = ", ".join(f"{'dense' if o['k'] is None else 'k=' + str(o['k'])} "
+                         + ("infeasible" if o["goodput_tps"] is None else f"{o['goodput_tps']:.2f}")
+                         for o in pay.get("options") or [])
+        lines.append(f"upload: {'dense' if pay['k'] is None else 'top-k, k = ' + str(pay['k'])} (every device drafts "
+                     f"from it); options [tok/s]: {opts}")
     return "\n".join(lines)
 
 
@@ -72,12 +86,83 @@ def run(args) -> int:
     from testbed.commands.simulate import plan_inputs  # profile resolution, flag checks and warnings
     from testbed.core.optimizer import OptimizerError, plan
     from testbed.core.scenario import ScenarioError
+    from testbed.plugins import load_policy
 
+    if args.channel_rounds is not None:
+        return channel_rounds(args)
     try:
         sc, fixed_length = plan_inputs(args)
-        result = plan(sc, args.policy, fixed_length=fixed_length, seed=args.seed)
+        result = plan(sc, load_policy(args.policy), fixed_length=fixed_length, seed=args.seed)
     except (ScenarioError, OptimizerError) as exc:
         raise CliError(str(exc)) from None
     d = result.to_dict()
     print(json.dumps(with_vocabulary(d)) if args.json else format_plan(d))
+    return 0
+
+
+def channel_rounds(args) -> int:
+    """`--channel-rounds R`: the live controller (`testbed.controller.Controller`) plans R rounds on the
+    profile's channel state, with its priors as estimates (nothing is measured) and the clock advancing by
+    each planned round time."""
+    import sys
+
+    from testbed.cli import CliError, warn
+    from testbed.config_override import fixed_length_notes, policy_list
+    from testbed.controller import Controller
+    from testbed.plugins import channel_state_from_config
+    from testbed.profile import ProfileError, find_profile, load_profile
+
+    if args.channel_rounds < 1:
+        raise CliError(f"--channel-rounds {args.channel_rounds}: must be >= 1")
+    policy_list(args.policy, "--policy")
+    path = find_profile(args.scenario)
+    try:
+        profile = load_profile(path)
+    except ProfileError as exc:  # a scenario file among them: it has no channel
+        raise CliError(f"--channel-rounds needs a run profile with channel.state: {exc}") from None
+    state = profile.channel.state
+    if state is None:
+        raise CliError(f"--channel-rounds: {path} has no channel.state; give a run profile with one (e.g. "
+                       "examples/ge_threshold/profile.yaml)")
+    sc = profile.scenario_obj()
+    fixed_length = args.fixed_length or profile.fixed_length
+    for msg in fixed_length_notes(args.fixed_length, [args.policy], sc.max_draft_len):
+        warn("plan", msg)
+    try:
+        cs = channel_state_from_config({**state, "seed": state.get("seed", profile.seed)},
+                                       list(profile.scenario["devices"]))
+    except ValueError as exc:
+        raise CliError(f"{path}: channel.state: {exc}") from None
+    ctl = Controller(sc, policy=args.policy, fixed_length=fixed_length, seed=args.seed, channel_state=cs)
+    names, t, rounds = [d.name for d in sc.devices], 0.0, []
+    for r in range(args.channel_rounds):
+        try:
+            rp = ctl.plan_round(r, names, t)
+        except ValueError as exc:  # the channel source's own error for this round
+            raise CliError(f"round {r}: {exc}") from None
+        rounds.append({"round": r, "t_s": t, "gains_db": {n: e["gain_db"] for n, e in rp.estimates.items()},
+                       "sat_out": rp.sat_out, **with_vocabulary(rp.plan)} if rp.devices else
+                      {"round": r, "t_s": t, "sat_out": rp.sat_out})
+        t += rp.plan.get("round_time_s") or 0.0
+    planned = [x for x in rounds if "goodput_tps" in x]
+    mean = sum(x["goodput_tps"] for x in planned) / len(planned) if planned else None
+    fallbacks = sum(1 for x in planned if x.get("fallback"))
+    if args.json:
+        print(json.dumps({"policy": args.policy, "channel_source": cs.source, "mean_goodput_tps": mean,
+                          "fallback_rounds": fallbacks, "rounds": rounds}))
+        return 0
+    print(f"policy {args.policy} on channel source {cs.source!r} ({path}): {args.channel_rounds} rounds",
+          file=sys.stderr)
+    print(f"{'round':>5} {'t_s':>8} {'goodput':>8} {'UL':>3}  per device: gain dB, mode, L")
+    for x in rounds:
+        if "goodput_tps" not in x:
+            print(f"{x['round']:>5} {x['t_s']:>8.3f} {'-':>8} {'-':>3}  every device sat out")
+            continue
+        devs = "  ".join(f"{d['name']} {x['gains_db'][d['name']]:.1f} {d['mode']} {d['draft_len']}"
+                         for d in x["devices"])
+        note = f"  [fallback to {x['fallback']['policy']}: {x['fallback']['reason'][:60]}]" if x.get("fallback") else ""
+        print(f"{x['round']:>5} {x['t_s']:>8.3f} {x['goodput_tps']:>8.2f} {x['num_ul_devices']:>3}  {devs}{note}")
+    if mean is not None:
+        print(f"mean predicted goodput {mean:.2f} tok/s over {len(planned)} planned rounds"
+              + (f"; {fallbacks} fell back to the safe policy" if fallbacks else ""))
     return 0

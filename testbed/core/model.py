@@ -37,9 +37,15 @@ def bits_index(draft_len):
 
 
 def distribution_bits(sc: Scenario) -> float:
-    """One transmitted distribution: V b_p dense, or k (b_id + b_p) as top-k (index + value) pairs."""
+    """One uploaded draft distribution: V b_p dense, or k (b_id + b_p) as top-k (index + value) pairs."""
     if sc.payload_format == "topk" and sc.topk_k < sc.vocab_size:
         return float(sc.topk_k * (bits_per_id(sc.vocab_size) + sc.bits_per_prob))
+    return target_distribution_bits(sc)
+
+
+def target_distribution_bits(sc: Scenario) -> float:
+    """One downloaded target distribution p_j: always dense, V b_p (a truncated p would no longer be the
+    target's: the output would not be lossless)."""
     return float(sc.vocab_size * sc.bits_per_prob)
 
 
@@ -88,10 +94,10 @@ def lazy_post_bits(sc: Scenario, acceptance, draft_len, provisioned: bool = True
 def dl_bits_dl_mode(sc: Scenario, acceptance, draft_len):
     """DL bits a DL-mode device is provisioned for (spec section 3, Option dl_provisioning).
     rejected_only: worst_case b_j + D; expected/realized b_j + (1 - a^L) D + a^L b_id.
-    all_positions: (L + 1) D always (no dependence on the outcome)."""
+    all_positions: (L + 1) D always (no dependence on the outcome). D here is the target's, always dense."""
     L = np.asarray(draft_len, float)
     a = np.asarray(acceptance, float)
-    d, bid, bj = distribution_bits(sc), bits_per_id(sc.vocab_size), bits_index(L)
+    d, bid, bj = target_distribution_bits(sc), bits_per_id(sc.vocab_size), bits_index(L)
     if sc.dl_protocol == "all_positions":
         return (L + 1.0) * d + 0.0 * a + sc.header_bits
     if sc.dl_provisioning == "worst_case":
@@ -101,9 +107,9 @@ def dl_bits_dl_mode(sc: Scenario, acceptance, draft_len):
 
 
 def dl_bits_realized(sc: Scenario, draft_len, rejected):
-    """DL bits a DL-mode device actually receives: b_j + D after a rejection, else b_j + b_id."""
+    """DL bits a DL-mode device actually receives: b_j + D after a rejection, else b_j + b_id (D dense)."""
     L = np.asarray(draft_len, float)
-    d, bid, bj = distribution_bits(sc), bits_per_id(sc.vocab_size), bits_index(L)
+    d, bid, bj = target_distribution_bits(sc), bits_per_id(sc.vocab_size), bits_index(L)
     if sc.dl_protocol == "all_positions":
         return (L + 1.0) * d + sc.header_bits
     return bj + np.where(rejected, d, bid) + sc.header_bits
@@ -158,6 +164,7 @@ class DeviceTables:
     """Per-device quantities for every draft length 1..L_max (arrays shaped (N, L_max), column l-1)."""
 
     gains: np.ndarray
+    dl_gains: np.ndarray    # the optimizer's DL gain: a fixed DL rate's equivalent (see equivalent_dl_gains)
     acceptance: np.ndarray
     expected_tokens: np.ndarray
     draft_s: np.ndarray
@@ -171,15 +178,17 @@ class DeviceTables:
     constants: dict = field(default_factory=dict)
 
 
-def _ul_phase(sc, ul_mode, L, acc, gains, bws, pmax, budgets, t, ul_powers=None, provisioned=True):
-    """Per-device (power, rate, first bits, post bits, tau_up, post time) in one mode."""
+def _ul_phase(sc, ul_mode, L, acc, gains, bws, pmax, budgets, t, ul_powers=None, provisioned=True, fixed=None):
+    """Per-device (power, rate, first bits, post bits, tau_up, post time) in one mode. `fixed`: per-device
+    fixed UL rates (NaN: the Shannon rate), sent at P^max since power does not change them."""
     first = ul_first_bits(sc, ul_mode, L)
     post = np.where(ul_mode, lazy_post_bits(sc, acc, L, provisioned), 0.0)
+    is_fixed = np.isfinite(fixed) if fixed is not None else False
     if ul_powers is None:
-        p = ul_power_for_energy(first + post, bws, gains, sc.noise_psd_w_hz, pmax, budgets)
+        p = np.where(is_fixed, pmax, ul_power_for_energy(first + post, bws, gains, sc.noise_psd_w_hz, pmax, budgets))
     else:
         p = np.asarray(ul_powers, float) * np.ones_like(first)
-    r = radio.shannon_rate_bps(bws, p, gains, sc.noise_psd_w_hz)
+    r = np.where(is_fixed, fixed, radio.shannon_rate_bps(bws, p, gains, sc.noise_psd_w_hz))
     with np.errstate(divide="ignore", invalid="ignore"):  # r = 0: no power within an energy budget
         tx = np.where(first > 0, first / r, 0.0)
         post_tx = np.where(post > 0, post / r, 0.0)
@@ -196,11 +205,12 @@ def device_tables(sc: Scenario) -> DeviceTables:
     col = lambda v: np.asarray(v, float)[:, None]
     acc, g = col(sc.device_array("acceptance")), col(sc.gains_linear())
     t, pmax = col(sc.device_array("draft_time_s")), col(sc.device_array("max_power_w"))
-    bws, budgets = col(sc.ul_bandwidths_hz()), col(sc.energy_budgets_j())
-    p_u, _, _, _, up_u, post_u, _ = _ul_phase(sc, True, L, acc, g, bws, pmax, budgets, t)
-    p_d, _, _, _, up_d, _, _ = _ul_phase(sc, False, L, acc, g, bws, pmax, budgets, t)
+    bws, budgets, fixed = col(sc.ul_bandwidths_hz()), col(sc.energy_budgets_j()), col(sc.fixed_rates_bps("ul"))
+    p_u, _, _, _, up_u, post_u, _ = _ul_phase(sc, True, L, acc, g, bws, pmax, budgets, t, fixed=fixed)
+    p_d, _, _, _, up_d, _, _ = _ul_phase(sc, False, L, acc, g, bws, pmax, budgets, t, fixed=fixed)
     return DeviceTables(
-        gains=g[:, 0], acceptance=acc[:, 0], expected_tokens=expected_tokens(acc, L), draft_s=L * t,
+        gains=g[:, 0], dl_gains=equivalent_dl_gains(sc, g[:, 0]), acceptance=acc[:, 0],
+        expected_tokens=expected_tokens(acc, L), draft_s=L * t,
         up_ul=up_u, up_dl=up_d, post_ul=post_u, dl_bits=dl_bits_dl_mode(sc, acc, L) * np.ones_like(L),
         p_ul_ul=p_u, p_ul_dl=p_d, t_ver_per_pos=sc.verify_t1_s,
         constants=dict(noise=sc.noise_psd_w_hz, bd=sc.downlink_bandwidth_hz, ps=sc.downlink_power_w),
@@ -208,6 +218,23 @@ def device_tables(sc: Scenario) -> DeviceTables:
 
 
 # ---------------------------------------------------------------- the downlink phase
+
+def equivalent_dl_gains(sc: Scenario, gains) -> np.ndarray:
+    """The gains the optimizer's DL search uses: a device's own, or for a fixed DL rate the gain that gives
+    that rate at an equal share (every device in DL mode: B^D / N and P_s / N; tdma: B^D and P_s). The
+    search ranks schedules with these; `evaluate` then puts the fixed rate itself in the plan."""
+    fixed = sc.fixed_rates_bps("dl")
+    g = np.array(gains, float)
+    if not np.isfinite(fixed).any():
+        return g
+    n = sc.num_devices
+    w, p = ((sc.downlink_bandwidth_hz, sc.downlink_power_w) if sc.dl_access == "tdma"
+            else (sc.downlink_bandwidth_hz / n, sc.downlink_power_w / n))
+    i = np.isfinite(fixed)
+    with np.errstate(over="ignore"):
+        g[i] = np.clip(radio.power_for_rate_w(w, fixed[i], 1.0, sc.noise_psd_w_hz) / p, 1e-300, 1e300)
+    return g
+
 
 def dl_bandwidth_split(dl_access: str, total_hz: float, num_dl, num_devices: int):
     """W, the DL band of one DL-mode device: B^D / |D| (fdma_equal_split), B^D / N (fdma_fixed_split), B^D
@@ -229,27 +256,32 @@ def dl_bandwidth_per_device(sc: Scenario, num_dl: int) -> float:
     return float(dl_bandwidth_split(sc.dl_access, sc.downlink_bandwidth_hz, num_dl, sc.num_devices))
 
 
-def dl_schedule(sc: Scenario, payload_bits, gains, dl_powers=None):
+def dl_schedule(sc: Scenario, payload_bits, gains, dl_powers=None, fixed=None):
     """(powers, rates, per-device DL times, DL phase) for one DL set with the given payloads.
     FDMA: optimal power (equal latencies) unless powers are given; TDMA: full band and power each,
-    one after another (the phase is the sum)."""
+    one after another (the phase is the sum). `fixed`: per-device fixed DL rates (NaN: the Shannon rate);
+    such a device keeps its band share but takes no power (FDMA: the others share P_s)."""
     s = np.asarray(payload_bits, float)
     g = np.asarray(gains, float)
     n = s.size
     if n == 0:
         return np.zeros(0), np.zeros(0), np.zeros(0), 0.0
+    is_fixed = np.isfinite(fixed) if fixed is not None else np.zeros(n, bool)
     w = dl_bandwidth_per_device(sc, n)
     n0 = sc.noise_psd_w_hz
     if sc.dl_access == "tdma":
         p = np.full(n, sc.downlink_power_w) if dl_powers is None else np.asarray(dl_powers, float)
-        r = radio.shannon_rate_bps(w, p, g, n0) * np.ones(n)
+        r = np.where(is_fixed, fixed, radio.shannon_rate_bps(w, p, g, n0) * np.ones(n))
         times = s / r
         return p, r, times, float(times.sum())
     if dl_powers is None:
-        p, _ = dlpower.optimal_dl_powers(s, g, w, sc.downlink_power_w, n0)
+        p = np.zeros(n)
+        free = ~is_fixed
+        if free.any():
+            p[free], _ = dlpower.optimal_dl_powers(s[free], g[free], w, sc.downlink_power_w, n0)
     else:
         p = np.asarray(dl_powers, float)
-    r = radio.shannon_rate_bps(w, p, g, n0) * np.ones(n)
+    r = np.where(is_fixed, fixed, radio.shannon_rate_bps(w, p, g, n0) * np.ones(n))
     with np.errstate(divide="ignore"):
         times = np.where(s > 0, s / r, 0.0)
     return p, r, times, float(times.max())
@@ -330,7 +362,7 @@ def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None) ->
             i = int(bad[0])
             raise ValueError(f"ul_powers[{i}]: {ul_powers[i]} is not allowed: must be in [0, {pmax[i]}] W")
     p_ul, r_ul, first, post, up, post_time, tx = _ul_phase(
-        sc, ul_mode, L, acc, g, bws, pmax, budgets, t, ul_powers)
+        sc, ul_mode, L, acc, g, bws, pmax, budgets, t, ul_powers, fixed=sc.fixed_rates_bps("ul"))
     dl_idx = np.flatnonzero(~ul_mode)
     s_dl = dl_bits_dl_mode(sc, acc[dl_idx], L[dl_idx])
     given = None
@@ -339,7 +371,7 @@ def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None) ->
         if given.sum() > sc.downlink_power_w * (1 + 1e-9) and sc.dl_access != "tdma":
             raise ValueError(f"dl_powers: the DL devices' powers sum to {given.sum():.4g} W, "
                              f"more than downlink_power_w = {sc.downlink_power_w} W")
-    p_d, r_d, times_d, tau_dl = dl_schedule(sc, s_dl, g[dl_idx], given)
+    p_d, r_d, times_d, tau_dl = dl_schedule(sc, s_dl, g[dl_idx], given, fixed=sc.fixed_rates_bps("dl")[dl_idx])
     dl_power = np.zeros(n)
     dl_rate = np.zeros(n)
     downlink = post_time.copy()
@@ -408,7 +440,7 @@ def realized_round(sc: Scenario, ev: Evaluation, accepted) -> dict:
             small = np.setdiff1d(dl_idx, big)
             down[small] = sc.ul_reply_s
             if big.size:
-                _, _, times, tau = dl_schedule(sc, bits[big], g[big])
+                _, _, times, tau = dl_schedule(sc, bits[big], g[big], fixed=sc.fixed_rates_bps("dl")[big])
                 down[big] = tau if sc.dl_access == "tdma" else times
         else:
             times = bits[dl_idx] / ev.dl_rate_bps[dl_idx]

@@ -26,7 +26,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from testbed.core import model, radio
+from testbed.core import model, payload, radio
+from testbed.core.policy import (  # OptimizerError lives there: PolicyError is one
+    Decision,
+    OptimizerError,
+    Policy,
+    PolicyError,
+    RoundContext,
+    RoundOutcome,
+    check_decision,
+    policy_name,
+)
 from testbed.core.power import LN2, solve_x
 from testbed.core.scenario import Scenario
 
@@ -43,10 +53,6 @@ POLICIES = {
 }
 EXHAUSTIVE_LIMIT = 2_000_000
 _REL_GAIN = 1e-12  # a greedy step must improve goodput by more than this (relative) to be taken
-
-
-class OptimizerError(ValueError):
-    """A request the optimizer refuses (unknown policy, problem too big for exhaustive search)."""
 
 
 class InfeasiblePlanError(OptimizerError):
@@ -79,11 +85,11 @@ class Scorer:
         self.tb = tb = model.device_tables(sc)
         self.n = n = sc.num_devices
         self.lmax = lmax = sc.max_draft_len
-        self.inv_g = 1.0 / tb.gains
+        self.inv_g = 1.0 / tb.dl_gains  # DL only: the UL is in the tables
         self.n0 = sc.noise_psd_w_hz
         if sc.dl_access == "tdma":
             self.tdma_rate = radio.shannon_rate_bps(sc.downlink_bandwidth_hz, sc.downlink_power_w,
-                                                    tb.gains, self.n0)
+                                                    tb.dl_gains, self.n0)
         self.evaluations = 0
         self.sync = sc.rounds == "synchronous"
         self.t_over = sc.round_overhead_s
@@ -170,7 +176,7 @@ class Scorer:
             tau = np.where(dl, S / self.tdma_rate, 0.0).sum(-1)
         elif equal_power:
             pw = sc.downlink_power_w / np.maximum(nd, 1)
-            r = radio.shannon_rate_bps(w[:, None], pw[:, None], self.tb.gains[None, :], self.n0)
+            r = radio.shannon_rate_bps(w[:, None], pw[:, None], self.tb.dl_gains[None, :], self.n0)
             with np.errstate(divide="ignore"):
                 own = np.where(dl, S / r, 0.0)  # unequal latencies: each device has its own
             tau = own.max(-1)
@@ -657,7 +663,7 @@ class Scorer:
         else:
             w = float(self._bandwidth(nd))
             if equal_power:
-                rate = radio.shannon_rate_bps(w, sc.downlink_power_w / nd, self.tb.gains, self.n0)
+                rate = radio.shannon_rate_bps(w, sc.downlink_power_w / nd, self.tb.dl_gains, self.n0)
                 with np.errstate(divide="ignore"):
                     own = np.where(dl, S0 / rate, 0.0)
                     down = top_without_k(own, np.where(dl_k, S_new / rate[ks], 0.0))
@@ -983,57 +989,99 @@ def _multistart(s: Scorer, fixed_scorer) -> np.ndarray:
     return greedy(s, s.prefix, fill=True, start=starts[int(np.argmax(G))])
 
 
-def plan(sc: Scenario, policy: str = "proposed", *, fixed_length: int = 4, seed: int = 0,
-         exhaustive_limit: int = EXHAUSTIVE_LIMIT) -> Plan:
-    """Modes, draft lengths and powers for one round under `policy` (see POLICIES)."""
-    if policy not in POLICIES:
-        raise OptimizerError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
-    s = Scorer(sc)
-    n, lmax = sc.num_devices, sc.max_draft_len
-    dl_powers = None
-    info: dict = {}
+class BuiltinPolicy:
+    """A built-in policy (`POLICIES`) as an implementation of the `Policy` protocol (testbed.core.policy)."""
 
-    def fixed_scorer(ul_vec, equal=False):
-        return FixedModes(s, ul_vec, equal)
+    def __init__(self, name: str, *, exhaustive_limit: int = EXHAUSTIVE_LIMIT):
+        if name not in POLICIES:
+            raise OptimizerError(f"unknown policy {name!r}; allowed: {', '.join(POLICIES)}")
+        self.name, self.description, self.exhaustive_limit = name, POLICIES[name], exhaustive_limit
 
-    if policy in ("proposed", "proposed-basic"):
-        if policy == "proposed":
-            L = _multistart(s, fixed_scorer)
-        else:
-            L = greedy(s, s.prefix, fill=False)
-        ul = s.prefix(L[None])[2][0]
-    elif policy == "all-ul":
-        ul = np.ones(n, bool)
-        L = greedy(s, fixed_scorer(ul), fill=True)
-    elif policy in ("all-dl", "all-dl-equal-power"):
-        ul = np.zeros(n, bool)
-        equal = policy == "all-dl-equal-power"
-        L = greedy(s, fixed_scorer(ul, equal), fill=True)
-        if equal and sc.dl_access != "tdma":
-            dl_powers = np.full(n, sc.downlink_power_w / n)
-    elif policy == "random-modes":
-        ul = np.random.default_rng(seed).random(n) < 0.5
-        L = greedy(s, fixed_scorer(ul), fill=True)
-        info["seed"] = seed
-    elif policy in ("common-length", "fixed-length"):
-        if policy == "fixed-length":
-            if not (isinstance(fixed_length, (int, np.integer)) and fixed_length >= 1):
-                raise OptimizerError(f"fixed_length: {fixed_length!r} is not allowed: must be an integer >= 1")
-            lengths = [min(int(fixed_length), lmax)]
-            info["fixed_length"] = lengths[0]
-        else:
-            lengths = list(range(1, lmax + 1))
-        Lc = np.repeat(np.array(lengths)[:, None], n, axis=1)
-        G, _, ulc = s.prefix(Lc)
-        i = int(np.argmax(G))
-        L, ul = Lc[i], ulc[i]
-    else:  # exhaustive
-        L, ul = _exhaustive(sc, s, exhaustive_limit)
-    ev = model.evaluate(sc, ul, L, dl_powers=dl_powers)
+    def __repr__(self) -> str:
+        return f"BuiltinPolicy({self.name!r})"
+
+    def decide(self, sc: Scenario, context: RoundContext) -> Decision:
+        """The policy's schedule; `context.seed` seeds random-modes, `context.fixed_length` is fixed-length's L."""
+        policy, fixed_length, seed = self.name, context.fixed_length, context.seed
+        s = Scorer(sc)
+        n, lmax = sc.num_devices, sc.max_draft_len
+        dl_powers = None
+        info: dict = {}
+
+        def fixed_scorer(ul_vec, equal=False):
+            return FixedModes(s, ul_vec, equal)
+
+        if policy in ("proposed", "proposed-basic"):
+            if policy == "proposed":
+                L = _multistart(s, fixed_scorer)
+            else:
+                L = greedy(s, s.prefix, fill=False)
+            ul = s.prefix(L[None])[2][0]
+        elif policy == "all-ul":
+            ul = np.ones(n, bool)
+            L = greedy(s, fixed_scorer(ul), fill=True)
+        elif policy in ("all-dl", "all-dl-equal-power"):
+            ul = np.zeros(n, bool)
+            equal = policy == "all-dl-equal-power"
+            L = greedy(s, fixed_scorer(ul, equal), fill=True)
+            if equal and sc.dl_access != "tdma":
+                dl_powers = np.full(n, sc.downlink_power_w / n)
+        elif policy == "random-modes":
+            ul = np.random.default_rng(seed).random(n) < 0.5
+            L = greedy(s, fixed_scorer(ul), fill=True)
+            info["seed"] = seed
+        elif policy in ("common-length", "fixed-length"):
+            if policy == "fixed-length":
+                if not (isinstance(fixed_length, (int, np.integer)) and fixed_length >= 1):
+                    raise OptimizerError(f"fixed_length: {fixed_length!r} is not allowed: must be an integer >= 1")
+                lengths = [min(int(fixed_length), lmax)]
+                info["fixed_length"] = lengths[0]
+            else:
+                lengths = list(range(1, lmax + 1))
+            Lc = np.repeat(np.array(lengths)[:, None], n, axis=1)
+            G, _, ulc = s.prefix(Lc)
+            i = int(np.argmax(G))
+            L, ul = Lc[i], ulc[i]
+        else:  # exhaustive
+            L, ul = _exhaustive(sc, s, self.exhaustive_limit)
+        info["evaluations"] = s.evaluations
+        return Decision(modes=ul, draft_lens=L, dl_powers_w=dl_powers, info=info)
+
+
+def plan(sc: Scenario, policy: str | Policy = "proposed", *, fixed_length: int = 4, seed: int = 0,
+         exhaustive_limit: int = EXHAUSTIVE_LIMIT, round_index: int = 0,
+         previous: RoundOutcome | None = None, acceptance_by_option=None) -> Plan:
+    """Modes, draft lengths and powers for one round under `policy`: a name in POLICIES or any object of
+    the `Policy` protocol (a plug-in). The decision is checked (`check_decision`: a PolicyError names the
+    field) and evaluated with the model; no finite round time raises InfeasiblePlanError.
+
+    With `topk_choices` (or a top-k format with a prior ratio or estimates) the upload format is part of the
+    plan: the policy plans each option and the best is kept (`testbed.core.payload.best_plan`; its
+    `acceptance_by_option`: k -> {device: alpha under k})."""
+    if not payload.is_plain(sc, acceptance_by_option):
+        def one(option_sc: Scenario) -> Plan:
+            return plan(option_sc, policy, fixed_length=fixed_length, seed=seed, exhaustive_limit=exhaustive_limit,
+                        round_index=round_index, previous=previous)
+        return payload.best_plan(sc, one, acceptance_by_option, infeasible=InfeasiblePlanError)
+    pol = BuiltinPolicy(policy, exhaustive_limit=exhaustive_limit) if isinstance(policy, str) else policy
+    name = policy_name(pol)
+    if not callable(getattr(pol, "decide", None)):
+        raise PolicyError(f"policy {name}: has no decide(scenario, context) method (the Policy interface)")
+    ctx = RoundContext(round=round_index, seed=seed, fixed_length=fixed_length, previous=previous)
+    if isinstance(pol, BuiltinPolicy):
+        decision = pol.decide(sc, ctx)
+    else:
+        try:
+            decision = pol.decide(sc, ctx)
+        except OptimizerError:
+            raise
+        except Exception as exc:  # a plug-in's bug must cost one round (the caller falls back), not the run
+            raise PolicyError(f"policy {name}: decide() raised {type(exc).__name__}: {exc}") from exc
+    ul, L, ul_powers, dl_powers = check_decision(sc, decision, name)
+    ev = model.evaluate(sc, ul, L, ul_powers=ul_powers, dl_powers=dl_powers)
     if not (np.isfinite(ev.round_time_s) and np.isfinite(ev.goodput_tps) and ev.goodput_tps > 0):
-        raise InfeasiblePlanError(_infeasible_message(sc, policy, ev))
-    info["evaluations"] = s.evaluations
-    return Plan(policy=policy, scenario=sc, evaluation=ev, info=info)
+        raise InfeasiblePlanError(_infeasible_message(sc, name, ev))
+    return Plan(policy=name, scenario=sc, evaluation=ev, info=dict(decision.info))
 
 
 def _infeasible_message(sc: Scenario, policy: str, ev: model.Evaluation) -> str:

@@ -41,13 +41,65 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class DraftParams(SamplingParams):
+    """A draft's transforms: the sampling parameters, then (top-k upload, `payload_format: topk`) the
+    truncation of q to its `payload_topk` largest entries, renormalized. The draft only: speculative sampling
+    is lossless for any q the draft token was really sampled from, and p stays the target's."""
+
+    payload_topk: int = 0  # 0 = off (dense q)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if int(self.payload_topk) != self.payload_topk or self.payload_topk < 0:
+            raise ValueError(f"payload_topk={self.payload_topk!r}: must be an integer >= 0 (0 = off)")
+
+    @classmethod
+    def of(cls, params: SamplingParams, payload_topk: int | None) -> SamplingParams:
+        """`params` with the top-k truncation of a round's upload (None or 0: `params` unchanged)."""
+        if not payload_topk:
+            return params
+        return cls(params.temperature, params.top_k, params.top_p, int(payload_topk))
+
+
+def truncate_top_k(probs: np.ndarray, k: int) -> np.ndarray:
+    """Rows (..., V) kept at their k largest entries (ties towards the lower index), the rest 0, renormalized;
+    computed in float64, returned in the input's float dtype. k >= V: the rows unchanged. A row with fewer
+    than k positive entries keeps them all, so at most k entries of each row are positive."""
+    if int(k) != k or k < 1:
+        raise ValueError(f"k={k!r}: must be an integer >= 1")
+    x = np.asarray(probs)
+    out_dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"probs shape {x.shape}: need (..., V) with V >= 1")
+    if k >= x.shape[-1]:
+        return x.astype(out_dtype, copy=True)
+    x = x.astype(np.float64, copy=False)
+    order = np.argsort(-x, axis=-1, kind="stable")
+    keep = np.zeros(x.shape, bool)
+    np.put_along_axis(keep, order[..., :int(k)], True, axis=-1)
+    kept = np.where(keep, x, 0.0)
+    total = kept.sum(axis=-1, keepdims=True)
+    if not (np.isfinite(total).all() and (total > 0).all()):
+        raise ValueError("probs: every row needs a finite, positive mass in its top-k entries")
+    return (kept / total).astype(out_dtype)
+
+
 def to_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Logits (..., V) -> probabilities (..., V) after temperature, top-k, then top-p; rows sum to 1.
 
     Computed in float64 and returned in the input's float dtype (float32 or float64). Temperature 0 gives a
     one-hot row at the argmax (lowest index on ties), which makes speculative sampling reproduce greedy
-    decoding of the target exactly.
+    decoding of the target exactly. `DraftParams` with `payload_topk` truncate the result last
+    (`truncate_top_k`).
     """
+    probs = _transformed(logits, params)
+    k = getattr(params, "payload_topk", 0)
+    return truncate_top_k(probs, k) if k else probs
+
+
+def _transformed(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """`to_probs` before a draft's payload truncation: temperature, top-k, then top-p."""
     x = np.asarray(logits)
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"logits shape {x.shape}: need (..., V) with V >= 1")

@@ -37,6 +37,10 @@ class Device(_Strict):
     acceptance: float = Field(gt=0, lt=1, description="alpha_k, per-token acceptance rate")
     uplink_bandwidth_hz: float | None = Field(default=None, gt=0, description="B^U_k override, Hz")
     energy_budget_j: float | None = Field(default=None, gt=0, description="per-round UL energy E_k, J")
+    # A link whose rate is given, not modeled (a rate trace, a link the edge measured): the rate does not
+    # follow the power, so the plan sends at P^max there and no energy budget lowers it.
+    fixed_ul_rate_bps: float | None = Field(default=None, gt=0, description="a fixed UL rate, bit/s")
+    fixed_dl_rate_bps: float | None = Field(default=None, gt=0, description="a fixed DL rate, bit/s")
 
     @model_validator(mode="after")
     def _one_channel(self):
@@ -97,6 +101,12 @@ class Scenario(_Strict):
     dl_provisioning: Literal["worst_case", "expected", "realized"] = "worst_case"
     payload_format: Literal["dense", "topk"] = "dense"
     topk_k: int = Field(default=1024, ge=1, description="entries kept per distribution when topk")
+    # Top-k chosen by the plan (testbed.core.payload): each round it keeps the best of dense and these k
+    # (one draft distribution for every device of the round); () = off: payload_format and topk_k hold.
+    topk_choices: tuple[int, ...] = Field(default=(), description="k values the plan may choose each round")
+    # alpha under top-k k = ratio x acceptance (clipped into (0, 1)); a k without an entry: 1 (no loss). A
+    # live run learns alpha per (device, k) and uses this as the prior only.
+    topk_acceptance_ratio: dict[int, float] = Field(default_factory=dict, description="alpha_k / alpha per k")
     verify_batch: Literal["ragged", "padded"] = "ragged"
     dl_access: Literal["fdma_equal_split", "fdma_fixed_split", "tdma"] = "fdma_equal_split"
     rounds: Literal["synchronous", "asynchronous"] = "synchronous"
@@ -110,6 +120,24 @@ class Scenario(_Strict):
         if dup:
             raise ValueError(f"device names must be unique; repeated: {', '.join(dup)}")
         return self
+
+    @field_validator("topk_choices")
+    @classmethod
+    def _choices(cls, v):
+        bad = [k for k in v if k < 1]
+        if bad:
+            raise ValueError(f"topk_choices: {bad[0]} is not allowed: every k must be an integer >= 1")
+        if len(set(v)) != len(v):
+            raise ValueError(f"topk_choices: {list(v)} repeats a value; list each k once")
+        return tuple(v)
+
+    @field_validator("topk_acceptance_ratio")
+    @classmethod
+    def _ratios(cls, v):
+        for k, r in v.items():
+            if k < 1 or not 0 < r <= 10:
+                raise ValueError(f"topk_acceptance_ratio: {k}: {r} is not allowed: keys are k >= 1, ratios in (0, 10]")
+        return v
 
     # ---- derived quantities (cheap, used by the model) ----
     @property
@@ -141,6 +169,11 @@ class Scenario(_Strict):
     def ul_bandwidths_hz(self) -> np.ndarray:
         """B^U_k per device, Hz: the device's uplink_bandwidth_hz if set, else the scenario's."""
         return np.array([d.uplink_bandwidth_hz or self.uplink_bandwidth_hz for d in self.devices], float)
+
+    def fixed_rates_bps(self, direction: str) -> np.ndarray:
+        """Per device, the fixed rate of `direction` ("ul" or "dl") in bit/s; NaN where the model's rate holds."""
+        field = {"ul": "fixed_ul_rate_bps", "dl": "fixed_dl_rate_bps"}[direction]
+        return np.array([np.nan if getattr(d, field) is None else getattr(d, field) for d in self.devices], float)
 
     def energy_budgets_j(self) -> np.ndarray:
         """E_k per device, J per round; inf where the device has no energy budget."""

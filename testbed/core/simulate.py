@@ -5,17 +5,20 @@ drafting times and acceptance uniform in their ranges; spec section 5), each pol
 analytic prediction is recorded. With Monte Carlo on, each plan is also run for R token-level rounds:
 accepted counts drawn from the acceptance law, the realized DL set (DL-mode devices that rejected) and
 its DL time recomputed (`model.realized_round`). Output: a tidy list of rows (one per point x drop x
-policy); the `simulate` command writes them as CSV and plots.
+policy); the `simulate` command writes them as CSV and plots. Each point x drop is one task (`run_task`)
+seeded from (seed, point, drop) alone, so the command may run the tasks in any process and order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import numpy as np
 
-from testbed.core import model
+from testbed.core import model, payload
 from testbed.core.optimizer import POLICIES, plan
+from testbed.core.policy import DeviceResult, RoundOutcome, policy_name
 from testbed.core.scenario import DropSpec, Scenario
 
 # sweep key -> (scenario field or special, description)
@@ -119,40 +122,109 @@ def monte_carlo(sc: Scenario, ev: model.Evaluation, rounds: int, rng: np.random.
                 mc_goodput_sem=float(np.std(per_round) / np.sqrt(rounds)))
 
 
+def channel_monte_carlo(sc: Scenario, policy, gains_at: Callable, rounds: int, rng: np.random.Generator, *,
+                        fixed_length: int = 4, seed: int = 0) -> dict:
+    """Token-level simulation of `rounds` rounds on a channel: each round the channel's gains
+    (``gains_at(round, t_s)``: name -> dB) replace the scenario's, the policy plans anew (the previous simulated
+    round as its `RoundContext.previous`), accepted counts are drawn and the clock advances by the realized
+    round time. Same columns as `monte_carlo`, plus the mean predicted goodput and UL devices per round."""
+    tokens = np.zeros(sc.num_devices)
+    time_k = np.zeros(sc.num_devices)
+    total_T, t_s, previous = 0.0, 0.0, None
+    per_round, predicted, num_ul = [], [], []
+    for r in range(rounds):
+        sc_r = sc.with_device_updates(channel_gain_db=dict(gains_at(r, t_s)))
+        p = plan(sc_r, policy, fixed_length=fixed_length, seed=seed + r, round_index=r, previous=previous)
+        ev, sc_p = p.evaluation, p.scenario  # the plan's own scenario: its upload format and acceptance
+        accepted = model.draw_accepted(rng, sc_p.device_array("acceptance"), ev.draft_lens)
+        real = model.realized_round(sc_p, ev, accepted)
+        tokens += real["tokens"]
+        time_k += real["device_round_s"]
+        total_T += real["round_time_s"]
+        per_round.append(real["tokens"].sum() / real["round_time_s"])
+        predicted.append(ev.goodput_tps)
+        num_ul.append(ev.num_ul_devices)
+        previous = RoundOutcome(round=r, devices={
+            n: DeviceResult(ev.modes[k], int(ev.draft_lens[k]), int(accepted[k]), int(real["tokens"][k]))
+            for k, n in enumerate(ev.names)}, measured_round_s=real["round_time_s"],
+            measured_goodput_tps=per_round[-1], predicted_goodput_tps=ev.goodput_tps)
+        t_s += real["round_time_s"]
+    g = tokens.sum() / total_T if sc.rounds == "synchronous" else float((tokens / time_k).sum())
+    return dict(mc_goodput_tps=float(g), mc_round_time_s=total_T / rounds,
+                mc_goodput_sem=float(np.std(per_round) / np.sqrt(rounds)),
+                mc_predicted_goodput_tps=float(np.mean(predicted)), mc_num_ul_devices=float(np.mean(num_ul)))
+
+
+def sweep_tasks(values: Iterable, drops: int) -> list[tuple[int, object, int]]:
+    """The independent tasks of a sweep, (point index, value, drop), in the order their rows are written."""
+    return [(pi, value, drop) for pi, value in enumerate(values) for drop in range(drops)]
+
+
+def run_task(base: Scenario, key: str, point: int, value, drop: int, *, policies: list[str], seed: int = 0,
+             monte_carlo_rounds: int = 0, fixed_length: int = 4, progress: Callable | None = None,
+             channel: Callable | None = None) -> list[dict]:
+    """The rows of one sweep point and drop, one per policy. Every random stream is seeded from (seed, point,
+    drop) alone, so the rows are the same whichever process runs the task, and in whatever order.
+    `channel(scenario, drop)` -> ``gains_at(round, t_s)``: the Monte Carlo rounds run on that channel,
+    re-planned every round (`channel_monte_carlo`)."""
+    sc = point_scenario(base, key, value, drop, seed)
+    gains_at = channel(sc, drop) if channel is not None and monte_carlo_rounds > 0 else None
+    rows = []
+    for policy in policies:
+        p = plan(sc, policy, fixed_length=fixed_length, seed=seed + drop)
+        ev = p.evaluation
+        label = policy if isinstance(policy, str) else policy_name(policy)  # a plug-in: its name
+        row = dict(sweep_key=key, value=value, drop=drop, policy=label, num_devices=sc.num_devices,
+                   goodput_tps=ev.goodput_tps, round_time_s=ev.round_time_s,
+                   num_ul_devices=ev.num_ul_devices,
+                   phase_uplink_s=ev.phases["uplink"], phase_verify_s=ev.phases["verify"],
+                   phase_downlink_s=ev.phases["downlink"],
+                   mean_draft_len=float(np.mean(ev.draft_lens)),
+                   expected_tokens=float(ev.expected_tokens.sum()),
+                   topk_k=payload.topk_of(p.scenario))  # the plan's upload: None dense, else top-k k
+        if monte_carlo_rounds > 0:
+            # Common random numbers: the same stream for every policy at one point and drop.
+            rng = np.random.default_rng([seed, drop, point, 7])
+            if gains_at is None:  # the plan's scenario: a top-k option's acceptance and payload
+                row.update(monte_carlo(p.scenario, ev, monte_carlo_rounds, rng))
+            else:
+                row.update(channel_monte_carlo(sc, policy, gains_at, monte_carlo_rounds, rng,
+                                               fixed_length=fixed_length, seed=seed + drop))
+        rows.append(row)
+        if progress:
+            progress(1)
+    return rows
+
+
 def run_sweep(base: Scenario, key: str, values: Iterable, *, drops: int = 5,
               policies: list[str] | None = None, seed: int = 0, monte_carlo_rounds: int = 0,
-              fixed_length: int = 4, progress: Callable | None = None) -> list[dict]:
-    """Rows: one per (point, drop, policy). `progress(n)` is called after each plan."""
+              fixed_length: int = 4, progress: Callable | None = None,
+              map_tasks: Callable | None = None, channel: Callable | None = None) -> list[dict]:
+    """Rows: one per (point, drop, policy), in point, drop, policy order. `progress(n)` is called after each
+    plan when the tasks run here. `map_tasks(task, tasks)` runs them elsewhere (processes, a cluster): it
+    calls `task(*t)` for each t of `tasks` and returns the results in the order of `tasks`. `channel`: see
+    `run_task` (it travels to the workers, so a picklable callable). Policies: names in POLICIES or Policy
+    objects (testbed.plugins.load_policy)."""
     policies = list(policies or DEFAULT_POLICIES)
-    bad = [p for p in policies if p not in POLICIES]
+    # a name in POLICIES, or a Policy object (a plug-in; testbed.plugins.load_policy)
+    bad = [p for p in policies if isinstance(p, str) and p not in POLICIES or not isinstance(p, str)
+           and not callable(getattr(p, "decide", None))]
     if bad:
         raise SimulationError(f"unknown policy {bad[0]!r}; allowed: {', '.join(POLICIES)}")
     if key not in SWEEP_KEYS:
         raise SimulationError(f"sweep key {key!r} is not allowed; allowed keys: {', '.join(SWEEP_KEYS)}")
     if drops < 1:
         raise SimulationError(f"drops: {drops} is not allowed: must be >= 1")
-    rows = []
-    for pi, value in enumerate(values):
-        for drop in range(drops):
-            sc = point_scenario(base, key, value, drop, seed)
-            for _qi, policy in enumerate(policies):
-                p = plan(sc, policy, fixed_length=fixed_length, seed=seed + drop)
-                ev = p.evaluation
-                row = dict(sweep_key=key, value=value, drop=drop, policy=policy, num_devices=sc.num_devices,
-                           goodput_tps=ev.goodput_tps, round_time_s=ev.round_time_s,
-                           num_ul_devices=ev.num_ul_devices,
-                           phase_uplink_s=ev.phases["uplink"], phase_verify_s=ev.phases["verify"],
-                           phase_downlink_s=ev.phases["downlink"],
-                           mean_draft_len=float(np.mean(ev.draft_lens)),
-                           expected_tokens=float(ev.expected_tokens.sum()))
-                if monte_carlo_rounds > 0:
-                    # Common random numbers: the same stream for every policy at one point and drop.
-                    rng = np.random.default_rng([seed, drop, pi, 7])
-                    row.update(monte_carlo(sc, ev, monte_carlo_rounds, rng))
-                rows.append(row)
-                if progress:
-                    progress(1)
-    return rows
+    tasks = sweep_tasks(values, drops)
+    task = partial(run_task, base, key, policies=policies, seed=seed, monte_carlo_rounds=monte_carlo_rounds,
+                   fixed_length=fixed_length, channel=channel)
+    if map_tasks is None:
+        results = [task(*t, progress=progress) for t in tasks]
+    else:
+        results = list(map_tasks(task, tasks))
+        if len(results) != len(tasks):
+            raise SimulationError(f"map_tasks returned {len(results)} results for {len(tasks)} tasks")
+    return [row for rows in results for row in rows]
 
 
 def summarize(rows: list[dict]) -> dict:

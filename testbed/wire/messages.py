@@ -6,9 +6,11 @@ holds); the receiver answers with an error message and keeps serving the others.
 comes typed and bounded out of a parse_* function: a node should not read the raw header.
 
 Message flow of one round (device k, round r):
-  edge -> device  schedule {round, mode, draft_len, ul_power_w, dl_power_w, deadline_s}
-  device -> edge  draft    {round, mode, last_token, timings, air: ul}  + tokens (L,) int32
-                           UL: + q (L, V_air) at the wire precision;  DL: + q_at (L,) float64
+  edge -> device  schedule {round, mode, draft_len, ul_power_w, dl_power_w, deadline_s[, topk]}
+  device -> edge  draft    {round, mode, last_token, timings, air: ul[, topk]}  + tokens (L,) int32
+                           UL: + q (L, V_air) at the wire precision, or with topk k (`testbed.wire.sparse`)
+                               q_ids (ceil(L k b_id / 8),) uint8 + q_p (L, k) at the wire precision;
+                           DL: + q_at (L,) float64
   edge -> device  verdict  {round, n_accepted, token | null, air: dl}  (+ p (V_air,) when DL and rejected)
                   or       {round, dropped: true} when the device missed the deadline (no air time)
   device -> edge  report   {round, token, timings, channel of the verdict}
@@ -27,6 +29,7 @@ import numpy as np
 
 from testbed.core.sampling import WIRE_DTYPES, SamplingParams
 from testbed.wire import protocol as P
+from testbed.wire import sparse
 from testbed.wire.protocol import ProtocolError
 
 MODES = ("UL", "DL")
@@ -395,11 +398,15 @@ def parse_bye(header: dict) -> str:
 # --- schedule ------------------------------------------------------------------------------------
 
 def schedule(round_index: int, mode: str, draft_len: int, ul_power_w: float, dl_power_w: float,
-             deadline_s: float) -> list:
-    """Edge -> device at the start of a round: mode, draft length L, UL and DL power (W) and the draft deadline (s)."""
-    return P.encode({"type": P.SCHEDULE, "round": int(round_index), "mode": mode, "draft_len": int(draft_len),
-                     "ul_power_w": float(ul_power_w), "dl_power_w": float(dl_power_w),
-                     "deadline_s": float(deadline_s)})
+             deadline_s: float, topk: int | None = None) -> list:
+    """Edge -> device at the start of a round: mode, draft length L, UL and DL power (W), the draft deadline (s)
+    and, for a top-k round (`payload_format: topk`), k: draft from q truncated to its top k (and in UL mode
+    upload it as k pairs per position)."""
+    header = {"type": P.SCHEDULE, "round": int(round_index), "mode": mode, "draft_len": int(draft_len),
+              "ul_power_w": float(ul_power_w), "dl_power_w": float(dl_power_w), "deadline_s": float(deadline_s)}
+    if topk is not None:
+        header["topk"] = int(topk)
+    return P.encode(header)
 
 
 @dataclass
@@ -412,11 +419,13 @@ class Schedule:
     deadline_s: float
     ul_power_w: float = 0.0
     dl_power_w: float = 0.0
+    topk: int | None = None      # draft from the top-k truncation of q (None: dense)
 
 
-def parse_schedule(header: dict, max_draft_len: int) -> Schedule:
+def parse_schedule(header: dict, max_draft_len: int, vocab_size: int = MAX_VOCAB) -> Schedule:
     """Validate a `schedule` header: round in 0..MAX_ROUND, mode 'UL' or 'DL', draft_len in 1..L_max, deadline_s
-    finite seconds >= 0, ul_power_w and dl_power_w finite watts >= 0 (missing: 0)."""
+    finite seconds >= 0, ul_power_w and dl_power_w finite watts >= 0 (missing: 0), topk null or in
+    1..vocab_size."""
     r = _round(header)
     mode = _field(header, "mode", str, f"one of {MODES}")
     if mode not in MODES:
@@ -425,22 +434,33 @@ def parse_schedule(header: dict, max_draft_len: int) -> Schedule:
     deadline = _field(header, "deadline_s", float, f"finite seconds in [0, {MAX_SECONDS:g}]", lo=0.0, hi=MAX_SECONDS)
     powers = [_field(header, k, float, f"finite watts in [0, {MAX_POWER_W:g}]", optional=True, lo=0.0,
                      hi=MAX_POWER_W) or 0.0 for k in ("ul_power_w", "dl_power_w")]
-    return Schedule(r, mode, n, deadline, *powers)
+    topk = _field(header, "topk", int, f"null or an integer in 1..{vocab_size} (the vocabulary)", optional=True,
+                  lo=1, hi=vocab_size)
+    return Schedule(r, mode, n, deadline, *powers, topk)
 
 
 # --- draft upload --------------------------------------------------------------------------------
 
 def draft(round_index: int, mode: str, tokens, q_rows, *, q_wire=None, last_token: int, bits_per_prob: int,
-          on_air_vocab: int | None, timings: dict) -> list:
+          on_air_vocab: int | None, timings: dict, topk: int | None = None) -> list:
     """`q_rows`: the float64 rows the tokens were sampled from (exact_from_wire of `q_wire`, as
-    `OnnxDrafter.draft(..., wire_bits=b)` returns them); `q_wire`: those wire rows (`OnnxDrafter.last_wire`).
+    `OnnxDrafter.draft(..., wire_bits=b)` returns them); `q_wire`: those wire rows (`Draft.wire`).
 
     UL mode sends `q_wire` as it is (padded to the on-air size; never re-rounded from q_rows, which could
-    change it). DL mode sends q_at = q_rows[i, x_i] as float64 scalars: 8 bytes each, negligible next to a
-    distribution, and exact (a rounded scalar would no longer be the q the token was sampled from).
+    change it); with `topk` k, as k (index, value) pairs per row (`testbed.wire.sparse`; the rows must have
+    at most k non-zero values: drafted with `sampling.DraftParams`). DL mode sends q_at = q_rows[i, x_i] as
+    float64 scalars: 8 bytes each, negligible next to a distribution, and exact (a rounded scalar would no
+    longer be the q the token was sampled from).
     """
     toks = np.asarray(tokens, dtype=np.int32)
-    if mode == "UL":
+    if mode == "UL" and topk is not None:
+        if q_wire is None:
+            raise ValueError("q_wire: UL mode uploads the wire rows the drafts were sampled through; got None")
+        P.to_wire(q_wire, bits_per_prob)  # the dtype check: rows at the wire precision, never re-rounded
+        bits = sparse.id_bits(max(np.shape(q_wire)[-1], on_air_vocab or 0))
+        ids, values = sparse.encode(q_wire, int(topk), bits)
+        payload = {"tokens": toks, "q_ids": ids, "q_p": values}
+    elif mode == "UL":
         if q_wire is None:
             raise ValueError("q_wire: UL mode uploads the wire rows the drafts were sampled through; got None")
         payload = {"tokens": toks, "q": P.to_wire(q_wire, bits_per_prob, on_air_vocab)}
@@ -450,8 +470,11 @@ def draft(round_index: int, mode: str, tokens, q_rows, *, q_wire=None, last_toke
             raise ValueError(f"q_rows: dtype {q.dtype.name}; DL mode sends the float64 rows the drafts were "
                              "sampled from (exact_from_wire of the wire rows)")
         payload = {"tokens": toks, "q_at": q[np.arange(len(toks)), toks]}
-    return P.encode({"type": P.DRAFT, "air": "ul", "round": int(round_index), "mode": mode,
-                     "last_token": int(last_token), "timings": timings}, payload)
+    header = {"type": P.DRAFT, "air": "ul", "round": int(round_index), "mode": mode,
+              "last_token": int(last_token), "timings": timings}
+    if topk is not None:
+        header["topk"] = int(topk)
+    return P.encode(header, payload)
 
 
 @dataclass
@@ -466,16 +489,22 @@ class Draft:
     last_token: int
     timings: dict                # DRAFT_TIMINGS present in the message: finite seconds >= 0
     channel: dict | None         # CHANNEL_FIELDS present in the annotation
+    topk: int | None = None      # drafted from the top-k truncation of q (UL: uploaded as k pairs per row)
+    q_bytes: int = 0             # bytes of the uploaded distributions (q, or q_ids + q_p); 0 in DL mode
 
 
 def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_size: int,
-                bits_per_prob: int, on_air_vocab: int | None) -> Draft:
-    """Validate a draft against the round's schedule (mode, L), V, b_p and the on-air width; q_at for both modes,
-    q_rows in UL mode only."""
+                bits_per_prob: int, on_air_vocab: int | None, topk: int | None = None) -> Draft:
+    """Validate a draft against the round's schedule (mode, L, topk), V, b_p and the on-air width; q_at for both
+    modes, q_rows in UL mode only."""
     r = _round(header)
     got_mode = _field(header, "mode", str, f"one of {MODES}")
     if got_mode != mode:
         raise ProtocolError(f"draft.mode: {P.show(got_mode)} is not allowed; this round scheduled {mode!r}")
+    got_topk = _field(header, "topk", int, "null or an integer", optional=True)
+    if got_topk != topk:
+        raise ProtocolError(f"draft.topk: {P.show(got_topk)} is not allowed; this round scheduled "
+                            f"{'a dense draft (no topk)' if topk is None else f'topk {topk}'}")
     wire = P.wire_dtype(bits_per_prob)
     toks = _array(arrays, "tokens")
     if toks is None or toks.dtype != np.int32 or toks.shape != (draft_len,):
@@ -484,13 +513,22 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
     if np.any(toks < 0) or np.any(toks >= vocab_size):
         raise ProtocolError(f"draft.tokens: {toks.tolist()} is not allowed; ids must be in [0, {vocab_size})")
     width = max(vocab_size, on_air_vocab or 0)
-    if mode == "UL":
+    q_bytes = 0
+    if mode == "UL" and topk is not None:
+        ids, values = _array(arrays, "q_ids"), _array(arrays, "q_p")
+        rows = sparse.decode(ids, values, draft_len=draft_len, k=topk, bits=sparse.id_bits(width),
+                             vocab_size=vocab_size, bits_per_prob=bits_per_prob)
+        q_rows = P.from_wire(rows, vocab_size, name="draft.q_p")
+        q_at = q_rows[np.arange(draft_len), toks]
+        q_bytes = ids.nbytes + values.nbytes
+    elif mode == "UL":
         q = _array(arrays, "q")
         if q is None or q.dtype.name != wire or q.shape != (draft_len, width):
             raise ProtocolError(f"draft.q: {None if q is None else (q.dtype.name, q.shape)} is not allowed; "
                                 f"must be {wire} of shape ({draft_len}, {width})")
         q_rows = P.from_wire(q, vocab_size, name="draft.q")
         q_at = q_rows[np.arange(draft_len), toks]
+        q_bytes = q.nbytes
     else:
         qa = _array(arrays, "q_at")
         if qa is None or qa.dtype != np.float64 or qa.shape != (draft_len,):
@@ -504,7 +542,7 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
         raise ProtocolError("draft.q: a drafted token has q = 0; q must be the distribution it was sampled from")
     last = _field(header, "last_token", int, f"a token id in [0, {vocab_size})", lo=0, hi=vocab_size - 1)
     return Draft(r, mode, toks.astype(np.int64), q_rows, q_at, last, _timings(header, DRAFT_TIMINGS),
-                 _channel(header, "channel"))
+                 _channel(header, "channel"), topk, q_bytes)
 
 
 # --- verdict -------------------------------------------------------------------------------------

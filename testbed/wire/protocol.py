@@ -274,7 +274,7 @@ MAX_FRAMES = 16
 MAX_ARRAY_BYTES = 64 * 1024 * 1024
 MAX_RANK = 4
 MAX_NAME_CHARS = 64
-ALLOWED_DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint32")
+ALLOWED_DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint32", "uint8")  # uint8: bit-packed ids
 PROB_SUM_TOLERANCE = 1e-2  # float16 rounding of thousands of entries stays well inside this (checked
 # on the raw wire rows: a sanity check of the sender; the rows are normalised after it)
 

@@ -1,0 +1,1 @@
+"""Example multispin plug-ins (docs/extending.md): `policies.ChannelThreshold` and `channels.GilbertElliott`."""

@@ -1,0 +1,158 @@
+"""Several emulated devices per process (`devices_per_process`, `device_node.host`): the same tokens as one
+process per device, fewer processes, each device's own drafting time, and a dead host reported per device.
+
+Live runs on the micro pair over ipc:// sockets; every process is started by the launcher and stopped by
+its pid."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from test_run_lifecycle import _profile_data
+
+from device_node.gate import OPEN, Gate
+from device_node.host import describe, exit_status, parse_devices
+from testbed.core.sampling import SamplingParams
+from testbed.errors import TestbedError
+from testbed.launcher import run_live
+from testbed.profile import ProfileError, load_profile
+from testbed.records import load_run
+
+
+def _profile(pair, n: int, k: int, **overrides):
+    data = _profile_data(pair, **overrides)
+    data["devices_per_process"] = k
+    data["scenario"]["devices"] = [{"name": f"d{i}", "distance_m": 100 + 50 * i, "draft_time_s": 0.001,
+                                    "acceptance": 0.6} for i in range(n)]
+    return load_profile(data)
+
+
+def test_hosted_devices_draft_the_same_tokens_in_fewer_processes(micro_pair, tmp_path):
+    # A pinned schedule, sampling at temperature 1 with the run's seeds: the tokens depend only on each
+    # device's seeds, prompt and drafter state, never on which process drafted them.
+    common = dict(rounds=8, pin={"mode": "UL", "draft_len": 3}, hardware={"d1": "laptop"}, deadline_s=5.0)
+    outputs, metas = {}, {}
+    for k in (1, 3):
+        run_dir = tmp_path / f"k{k}"
+        summary = run_live(_profile(micro_pair, 6, k, **common), run_dir, progress=False)
+        assert summary["status"] == "complete"
+        meta, records = load_run(run_dir)
+        assert len(records) == 8 and all(not r["missed"] for r in records)
+        outputs[k] = json.loads((run_dir / "outputs.json").read_text())
+        metas[k] = meta
+    names = [f"d{i}" for i in range(6)]
+    for name in names:
+        assert len(outputs[3][name]["output_ids"]) >= 8  # at least one token a round
+        assert outputs[3][name]["output_ids"] == outputs[1][name]["output_ids"], name
+    # Own seeds and KV cache per device: devices with the same prompt (round robin of two) still differ.
+    assert outputs[3]["d0"]["output_ids"] != outputs[3]["d2"]["output_ids"]
+    # 2 host processes of 3 devices instead of 6 device processes (plus the emulator); all ended with 0.
+    assert metas[1]["processes"] == {"channel": 0, **{f"device-{n}": 0 for n in names}}
+    assert metas[3]["processes"] == {"channel": 0, "devices-0": 0, "devices-1": 0}
+    assert metas[3]["device_processes"] == {n: f"devices-{i // 3}" for i, n in enumerate(names)}
+    # The slowed-down device (laptop: 1.5x) reports its own compute and the emulated extra.
+    _, records = load_run(tmp_path / "k3")
+    for r in records:
+        m = r["devices"]["d1"]["measured"]
+        assert m["compute_scale"] == 1.5 and m["emulated_extra_s"] == pytest.approx(0.5 * m["compute_s"])
+        assert m["draft_s"] >= m["compute_s"] + m["emulated_extra_s"]
+
+
+def test_a_dead_host_is_reported_for_each_of_its_devices(micro_pair, tmp_path):
+    run_dir = tmp_path / "run"
+
+    def on_round(rec, server, launcher):
+        if rec["round"] == 1:
+            launcher.kill(launcher.device_label("d2"))  # the host of d2 and d3
+
+    profile = _profile(micro_pair, 4, 2, rounds=6, deadline_s=1.5, max_misses=1)
+    summary = run_live(profile, run_dir, progress=False, on_round=on_round)
+    meta, records = load_run(run_dir)
+    assert summary["status"] == "complete" and len(records) == 6
+    assert records[2]["missed"] == ["d2", "d3"]  # both devices of the dead host, and only they
+    assert all(sorted(r["devices"]) == ["d0", "d1"] and not r["missed"] for r in records[3:])
+    assert meta["device_processes"] == {"d0": "devices-0", "d1": "devices-0", "d2": "devices-1", "d3": "devices-1"}
+    assert meta["processes"]["devices-1"] == -9 and meta["processes"]["devices-0"] == 0
+
+
+def test_a_host_whose_devices_cannot_start_names_each_device(micro_pair, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not onnx")
+    data = _profile_data(micro_pair, wait_for_devices_s=60, devices_per_process=2)
+    data["model"]["draft_onnx"] = str(bad)
+    t0 = time.monotonic()
+    with pytest.raises(TestbedError) as exc:
+        run_live(load_profile(data), tmp_path / "run", progress=False)
+    assert time.monotonic() - t0 < 40  # not the 60 s of wait_for_devices_s
+    text = str(exc.value)
+    assert "devices d0, d1 (in devices-0, status 2" in text and "not a loadable ONNX model" in text
+
+
+def test_the_gate_gives_a_device_its_own_time():
+    gate, held = Gate(), threading.Event()
+
+    def other_device():  # takes the gate while the first device sleeps, and keeps it for 0.3 s
+        with gate:
+            held.set()
+            time.sleep(0.3)
+
+    with gate:
+        threading.Thread(target=other_device).start()
+        t0 = time.perf_counter()
+        waited = gate.sleep(0.05)
+        total = time.perf_counter() - t0
+    assert held.is_set() and total >= 0.3
+    assert waited == pytest.approx(total - 0.05, abs=0.04)  # the other device's work, not this one's sleep
+    assert OPEN.sleep(0.0) == 0.0
+
+
+def test_shared_drafters_keep_their_own_context(micro_pair):
+    from device_node.drafter import OnnxDrafter
+
+    alone = OnnxDrafter(micro_pair.draft_onnx)
+    a = OnnxDrafter(micro_pair.draft_onnx)
+    b = a.share()
+    assert b.session is a.session
+    params = SamplingParams()
+    alone.reset([5, 6, 7])
+    a.reset([5, 6, 7])
+    b.reset([9, 8])
+    for r in range(3):  # interleaved on one session, a drafts exactly what a drafter of its own does
+        da = a.draft(3, params, np.random.default_rng(r), wire_bits=16)
+        b.draft(2, params, np.random.default_rng(100 + r), wire_bits=16)
+        ref = alone.draft(3, params, np.random.default_rng(r), wire_bits=16)
+        assert da.tokens == ref.tokens and np.array_equal(da.q, ref.q)
+        a.commit(1, 11)
+        alone.commit(1, 11)
+        b.commit(0, 12)
+    assert a.context == alone.context and b.context[:2] == [9, 8] and a.context != b.context
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ProfileError, match="devices_per_process=0: must be >= 1"):
+        load_profile(None, {"devices_per_process": 0})
+    with pytest.raises(ProfileError, match="devices_per_process: 'many' is not allowed: must be a valid integer"):
+        load_profile({"scenario": {"devices": [{"name": "d0"}]}, "devices_per_process": "many"})
+    for text, fragment in (("{", "not JSON"), ("[]", "non-empty JSON list"), ('[{"name": "d0", "gpu": 1}]', "gpu"),
+                           ('[{"name": "d0"}, {"name": "d0"}]', "appears twice"),
+                           ('[{"name": "d0", "link_probe_period_s": 0}]', "link_probe_period_s")):
+        with pytest.raises(ValueError, match=fragment):
+            parse_devices(text)
+    assert [d.name for d in parse_devices('[{"name": "a"}, {"name": "b", "hardware": "phone"}]')] == ["a", "b"]
+    assert exit_status({"a": 0, "b": 7, "c": 3}) == 7 and exit_status({"a": 0}) == 0
+    assert describe({"a": 2, "b": 2, "c": 0}, {"a": "cannot start: x", "b": "cannot start: x"}) == \
+        "a, b: status 2 (cannot start: x); c: status 0 (the edge ended the run)"
+
+
+def test_a_host_process_imports_no_torch():
+    code = ("import sys, device_node.host; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr

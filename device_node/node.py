@@ -24,6 +24,10 @@ each device's `draft_s` is its own compute (plus its emulated slowdown), not its
 Link probe (``--link-probe SPEC``, `device_node.link_probe`): a background thread measures the radio link;
 every report (and every heartbeat of an idle device) carries the latest reading with its age on this
 device's clock (`link_reading`), never the clock itself: the edge dates it on its own clock.
+
+Rate probes (an edge with ``channel.measure_links``): a `probe` is echoed at once with the padding it asks
+for (at most `M.MAX_PROBE_BYTES`; a larger request is refused and logged), so that the edge can time the
+link both ways on its own clock (`edge_node.probing`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import math
 import sys
 import time
 
+import numpy as np
 import zmq
 
 from device_node.drafting import Draft, Drafter
@@ -80,12 +85,14 @@ class DeviceNode:
         self.rounds_done = 0
         self.session: str | None = None
         self.pending: tuple[M.Schedule, Draft] | None = None  # the round in flight
+        self._ahead: tuple | None = None  # (session, round, its drafting generator) made ahead (`_draft_generator`)
         # Liveness: None until the edge announces heartbeats in `registered` (an older edge sends none;
         # then only the idle timeout applies).
         self.heartbeat_s: float | None = None
         self.liveness = M.DEFAULT_LIVENESS
         self.last_sent = self.last_heard = time.monotonic()
         self.dropped_messages = 0  # received messages refused (malformed, out of place)
+        self._probe_pad = None     # a rate probe's echo padding (uint8 zeros), grown to the largest asked for
 
     # -- transport ------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -251,6 +258,8 @@ class DeviceNode:
                 self._on_schedule(header)
             elif kind == P.VERDICT:
                 self._on_verdict(header, arrays)
+            elif kind == P.PROBE:
+                self._on_probe(header, arrays)
             elif kind == P.HEARTBEAT or kind == P.TX_START:
                 pass
             elif kind == P.BYE:
@@ -320,12 +329,12 @@ class DeviceNode:
             log.error("%s: refused the schedule of round %d: the draft of round %d is unverified; round %d "
                       "dropped", self.name, sched.round, held, held)
             return
-        rr = RoundRandomness(self.seed, self.name, sched.round)
+        generator = self._draft_generator(sched.round)
         t0 = time.perf_counter()
         # Sampled through the wire precision: draft.q is exactly what the edge rebuilds from the upload. A top-k
         # round drafts from q truncated to its top k (DraftParams), the q a top-k upload carries.
         params = DraftParams.of(self.params, sched.topk)
-        draft = self.drafter.draft(sched.draft_len, params, rr.draft_generator(), wire_bits=self.bits)
+        draft = self.drafter.draft(sched.draft_len, params, generator, wire_bits=self.bits)
         compute_s = time.perf_counter() - t0
         # Emulated slower hardware: sleep the extra (scale - 1) x the measured compute (with the gate open:
         # other devices of the process work meanwhile; the wait to get it back is theirs, not ours).
@@ -370,11 +379,37 @@ class DeviceNode:
             rr = RoundRandomness(self.seed, self.name, sched.round)
             token = sample_correction(v.p_row, draft.q[v.n_accepted], rr.final_uniform())
         correction_s = time.perf_counter() - t0
+        # The report first: the edge's round ends with it. (The token is a valid id: the commit cannot fail.)
+        self._send(M.report(sched.round, token, v.n_accepted, {"correction_s": correction_s}, v.channel,
+                            link=self._link()))
         self.drafter.commit(v.n_accepted, token)
         self.committed.extend(draft.tokens[: v.n_accepted] + [token])
         self.rounds_done += 1
-        self._send(M.report(sched.round, token, v.n_accepted, {"correction_s": correction_s}, v.channel,
-                            link=self._link()))
+        # While the edge closes the round: the next round's drafting generator (seeding one takes a while).
+        self._ahead = (self.session, sched.round + 1,
+                       RoundRandomness(self.seed, self.name, sched.round + 1).draft_generator())
+
+    def _draft_generator(self, round_index: int):
+        """Round `round_index`'s drafting generator: the one made ahead if it is for this round and session."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:2] == (self.session, round_index):
+            return ahead[2]
+        return RoundRandomness(self.seed, self.name, round_index).draft_generator()
+
+    def _on_probe(self, header: dict, arrays: dict) -> None:
+        """A rate probe of the edge (`edge_node.probing`): echo it at once with the padding it asks for, and
+        how long it was held here (a duration on this clock). The reply's size is bounded by the parse
+        (`M.MAX_PROBE_BYTES`): a larger one is refused before anything is allocated."""
+        t0 = time.perf_counter()
+        if self.session is None:
+            raise ProtocolError("probe before registered")
+        probe = M.parse_probe(header, arrays)
+        pad = None
+        if probe.reply_bytes:
+            if self._probe_pad is None or self._probe_pad.size < probe.reply_bytes:
+                self._probe_pad = np.zeros(probe.reply_bytes, np.uint8)  # zeros, never written: sent zero-copy
+            pad = self._probe_pad[: probe.reply_bytes]
+        self._send(M.probe_echo(probe.id, pad, hold_s=time.perf_counter() - t0), copy=False)
 
     def _link(self) -> dict | None:
         """The latest link reading for the edge (None without a probe or before its first reading)."""

@@ -5,8 +5,9 @@ device gets its schedule; drafts are collected until every scheduled device draf
 deadline; ONE `verifier.verify` call scores every device's drafts; accept/reject runs here for every device
 (shared sampling code); UL-mode corrections are sampled here, DL-mode devices get p_j and correct
 themselves; each device reports back; the round record (predicted next to measured, per phase and device)
-is written and fsynced as the round ends. With a virtual channel the record's measured times are on the
-virtual clock (measured compute + the emulator's annotated air time; `_virtual_round`).
+is written as the round ends (`testbed.records`: fsynced at most once a second). With a virtual channel the
+record's measured times are on the virtual clock (measured compute + the emulator's annotated air time;
+`_virtual_round`).
 
 Hardening (a LAN is shared; see docs/wire-protocol.md):
 - Any failure while handling one message (malformed, oversized, wrong sizes, NaN, unknown device, a bug)
@@ -23,7 +24,11 @@ Hardening (a LAN is shared; see docs/wire-protocol.md):
   crashed), a new registration takes it over. With CURVE keys (`keys_dir`) only listed keys connect and a
   key speaks only for its own name (the channel emulator's key forwards for all).
 - A channel emulator that stops answering ends the run with a TestbedError (checked between rounds).
-Devices may register (join or rejoin) at any time; they take part from the next round.
+Devices may register (join or rejoin) at any time; they take part from the next round. On a measured real
+link (`measure_links`) each device's link is also probed at registration and between rounds
+(`edge_node.probing`, `probe_links`).
+With `scenario.rounds: asynchronous`, `run` hands over to `edge_node.async_rounds` (each device's own cycles,
+continuous batching), which reuses this server's sockets, sessions, verifier and handlers (`cycles`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from edge_node.probing import Prober
 from testbed import security
 from testbed.controller import (
     Arrival,
@@ -106,6 +112,24 @@ class Session:
     last_sent: float = 0.0                  # edge clock: our latest message to it (heartbeats included)
 
 
+class DrawsAhead(RoundRandomness):
+    """A device's draws of a round with the verification's (`draft_len` acceptance uniforms, the final draw)
+    made at once: the same numbers as `RoundRandomness` gives later (a shorter request gets their prefix)."""
+
+    def __init__(self, seed: int, device: str, round_index: int, draft_len: int) -> None:
+        super().__init__(seed, device, round_index)
+        self._uniforms = super().acceptance_uniforms(draft_len)
+        self._final = super().final_uniform()
+
+    def acceptance_uniforms(self, n: int) -> np.ndarray:
+        if isinstance(n, int) and 0 <= n <= len(self._uniforms):
+            return self._uniforms[:n].copy()
+        return super().acceptance_uniforms(n)
+
+    def final_uniform(self) -> float:
+        return self._final
+
+
 @dataclass
 class ArrivedDraft:
     """A device's draft, accepted into the round's inbox."""
@@ -136,6 +160,7 @@ class RoundInFlight:
     t_drafts_closed: float = 0.0
     t_reports_from: float | None = None
     reports_waited: set[str] = field(default_factory=set)   # reports queued while the edge was busy
+    draws: dict[str, RoundRandomness] = field(default_factory=dict)  # name -> its draws, made while it drafts
 
     def awaits_draft(self, name: str) -> bool:
         return (not self.closed and name in self.schedule and name not in self.drafts
@@ -153,7 +178,7 @@ class EdgeServer:
                  recorder=None, policy: str = "proposed", prompt_texts: list[str] | None = None,
                  max_array_bytes: int = P.MAX_ARRAY_BYTES, tx_marker: bool = True, context=None,
                  keys_dir: str | None = None, heartbeat_s: float = 1.0, liveness: int = 5,
-                 measure_links: bool = False):
+                 measure_links: bool = False, rate_probes=None):
         if not (math.isfinite(heartbeat_s) and M.MIN_HEARTBEAT_S <= heartbeat_s <= M.MAX_HEARTBEAT_S):
             raise ValueError(f"heartbeat_s={heartbeat_s!r}; allowed: {M.MIN_HEARTBEAT_S}..{M.MAX_HEARTBEAT_S} s")
         if not (isinstance(liveness, int) and 1 <= liveness <= M.MAX_LIVENESS):
@@ -178,6 +203,8 @@ class EdgeServer:
         self.known = {d.name for d in scenario.devices}
         self._sid = itertools.count()
         self._round: RoundInFlight | None = None  # the latest round, kept after it closes for its late reports
+        # Asynchronous rounds (`edge_node.async_rounds`): each device's own cycle in flight; None: synchronous.
+        self.cycles: dict[str, RoundInFlight] | None = None
         self._in_round = False
         self._finished: dict[str, Session] = {}   # sessions that ended: outputs only (no KV cache, no drafts)
         self._next_plan: tuple[RoundPlan, float] | None = None  # (plan, seconds it took) made one round ahead
@@ -189,6 +216,7 @@ class EdgeServer:
         self._next_tick = 0.0
         self._last_probe = 0.0
         self.rounds_done = 0
+        self._last_round_end: float | None = None  # edge clock: when the latest round ended (`edge_phases`)
         self.last_record: dict | None = None
         self.t_origin = time.monotonic()
         self.round_index = 0
@@ -199,6 +227,8 @@ class EdgeServer:
         # A real link (no emulator): estimate each device's UL and DL rate from what this edge measures, and
         # let the controller plan with them (`testbed.link_estimate`).
         self.links = LinkEstimator() if measure_links else None
+        # ... and probe sweeps of each (`edge_node.probing`; `rate_probes`: testbed.profile.RateProbeSettings)
+        self.prober = Prober(self, rate_probes) if measure_links and rate_probes and rate_probes.enabled else None
         controller.seed_header_bits(draft_header_bits(controller.base, self.bits, self.on_air))
 
     def _bind(self, bind: str, max_array_bytes: int) -> zmq.Socket:
@@ -343,9 +373,13 @@ class EdgeServer:
             self._on_report(name, header, via_channel, t_arr, waited)
         elif kind == P.ERROR:
             self._on_device_error(name, header)
+        elif kind == P.PROBE_ECHO and self.prober is not None:
+            if name not in self.sessions:
+                raise Refusal("not_registered", f"probe_echo from {name!r}, which is not registered")
+            self.prober.on_echo(name, header, arrays, t_arr)
         else:
             raise ProtocolError(f"type: {P.show(kind)} is not allowed from a device; allowed: register, draft, "
-                                "report, heartbeat, error")
+                                "report, heartbeat, error" + (", probe_echo" if self.prober is not None else ""))
 
     def _on_device_error(self, name: str, header: dict) -> None:
         """A device says why it cannot take part (e.g. its model does not load): keep and print the reason;
@@ -396,6 +430,8 @@ class EdgeServer:
                                       tx_marker=self.tx_marker and self.channel_mode != "passthrough",
                                       heartbeat_s=self.heartbeat_s, liveness=self.liveness))
         log.info("%s: registered (session %s, hardware %s)", name, sid, hardware.get("name"))
+        if self.prober is not None:
+            self.prober.on_register(name, sid)  # its links are swept before its first round
 
     def _drop_session(self, name: str, reason: str, *, notify: bool = True) -> None:
         """End a session with a log line; `notify`: tell its device (`bye`: it exits)."""
@@ -415,7 +451,7 @@ class EdgeServer:
             s.unconfirmed = 0
         s.pending, s.last_drafts = None, []
         self._finished[name] = s
-        cur = self._round
+        cur = self._round_of(name)
         if cur is not None and cur.sids.get(name) == s.sid:
             cur.given_up.setdefault(name, reason)
             cur.reports_given_up.add(name)
@@ -448,8 +484,8 @@ class EdgeServer:
                 self._send(name, self._heartbeat)  # uncharged (no "air"): the emulator passes it at once
 
     def _end_silent_sessions(self, now: float) -> None:
-        cur = self._round
         for name, s in list(self.sessions.items()):
+            cur = self._round_of(name)
             silent = now - s.last_heard
             if silent <= self.window_s:
                 continue
@@ -486,7 +522,7 @@ class EdgeServer:
         s = self.sessions.get(name)
         if s is None:
             raise Refusal("not_registered", f"draft from {name!r}, which is not registered; send register first")
-        cur, r = self._round, header.get("round")
+        cur, r = self._round_of(name), header.get("round")
         if cur is not None and r == cur.index and name in cur.drafts:
             raise ProtocolError(f"draft.round: a second draft for round {r}")
         if cur is None or r != cur.index or cur.sids.get(name) != s.sid or not cur.awaits_draft(name):
@@ -504,7 +540,7 @@ class EdgeServer:
 
     def _parse_draft(self, s: Session, slot: DevicePlan, header: dict, arrays: dict, via_channel: bool) -> M.Draft:
         d = M.parse_draft(header, arrays, mode=slot.mode, draft_len=slot.draft_len, vocab_size=self.vocab,
-                          bits_per_prob=self.bits, on_air_vocab=self.on_air, topk=self._round.plan.topk)
+                          bits_per_prob=self.bits, on_air_vocab=self.on_air, topk=self._round_of(s.name).plan.topk)
         expected_last = (s.output_ids or s.prompt_ids)[-1]
         if d.last_token != expected_last:
             raise ProtocolError(f"draft.last_token: {d.last_token} does not match the committed context "
@@ -522,7 +558,7 @@ class EdgeServer:
         s = self.sessions.get(name)
         if s is None:
             raise Refusal("not_registered", f"report from {name!r}, which is not registered")
-        cur = self._round
+        cur = self._round_of(name)
         awaited = cur is not None and cur.sids.get(name) == s.sid and s.report_round == cur.index
         try:
             rep = self._check_report(s, header)
@@ -543,6 +579,24 @@ class EdgeServer:
             if waited:
                 cur.reports_waited.add(name)
         self._take_link(name, rep.link, time.monotonic() if t_arr is None else t_arr)
+
+    def publish_link_rates(self, names: list[str]) -> None:
+        """The measured link rates the controller plans `names` with, and their sources (rounds, probe, model)."""
+        for name in names:
+            rates, sources = self.links.plan_rates(name)
+            self.controller.measured_rates[name] = rates
+            self.controller.measured_sources[name] = sources
+
+    def probe_links(self) -> None:
+        """Between rounds: the probe sweeps due (`edge_node.probing.Prober.between_rounds`); the plan made
+        ahead is dropped after one, so that the next round plans with what it measured."""
+        if self.prober is not None and self.prober.between_rounds():
+            self._next_plan = None
+
+    def _round_of(self, name: str) -> RoundInFlight | None:
+        """The round a device's draft or report belongs to: the round in flight, or with asynchronous rounds
+        the device's own cycle."""
+        return self._round if self.cycles is None else self.cycles.get(name)
 
     def _take_link(self, name: str, link: dict | None, t_arr: float) -> None:
         """A device's link reading (its report or heartbeat) to a live channel state, dated on the edge's
@@ -634,6 +688,8 @@ class EdgeServer:
         for name, slot in cur.schedule.items():
             self._send(name, M.schedule(r, slot.mode, slot.draft_len, slot.ul_power_w or 0.0,
                                         slot.dl_power_w or 0.0, self.deadline_s, topk=rp.topk))
+        # The verification's random draws, made while the devices draft instead of after the verification.
+        cur.draws = {n: DrawsAhead(self.seed, n, r, slot.draft_len) for n, slot in cur.schedule.items()}
         return cur
 
     # collect drafts
@@ -698,7 +754,7 @@ class EdgeServer:
         # p is used as exact_from_wire of its wire rows, in both modes: a DL device rebuilds the identical
         # p_j from the row it downloads, so UL and DL give identical tokens.
         p_wire = to_wire_precision(to_probs(np.asarray(logits, dtype=np.float32), self.params), self.bits)
-        rr = RoundRandomness(self.seed, name, cur.index)
+        rr = cur.draws.get(name) or RoundRandomness(self.seed, name, cur.index)
         verdict = verify_draft(exact_from_wire(p_wire), d.q_at, d.q_rows, d.tokens, slot.mode, rr)
         n = verdict.n_accepted
         if verdict.token is None:
@@ -706,10 +762,10 @@ class EdgeServer:
                                on_air_vocab=self.on_air)
         else:
             frames = M.verdict(cur.index, n, verdict.token)
-        self._commit(self.sessions[name], cur.index, verdict, d.tokens.tolist(), slot.draft_len)
         dl_bytes = sum(len(f) for f in frames)
         t_verdict = time.monotonic()
-        self._send_air(name, frames)
+        self._send_air(name, frames)  # first: the device's part of the round goes on while the edge commits
+        self._commit(self.sessions[name], cur.index, verdict, d.tokens.tolist(), slot.draft_len)
         return DeviceOutcome(n_accepted=n, tokens=n + 1, dl_payload="p" if verdict.token is None else "token",
                              ul_channel=d.channel, ul_bytes=arrived.nbytes, dl_bytes=dl_bytes,
                              up_phase_s=arrived.t_arrival - cur.t0, t_verdict=t_verdict,
@@ -745,8 +801,8 @@ class EdgeServer:
         if self.links is not None and not arrived.waited:  # a draft read late says nothing of the link
             # schedule sent -> draft here, minus the device's drafting: the one-way trips (+ the upload)
             seconds = arrived.t_arrival - cur.t0 - (o.timings.get("draft_s") or 0.0)
-            o.link = {"ul": self.links.observe(name, "ul", arrived.nbytes, seconds)}
-            self.controller.measured_rates[name] = self.links.rates(name)
+            o.link = {"ul": self.links.observe(name, "ul", arrived.nbytes, seconds, t=arrived.t_arrival)}
+            self.publish_link_rates([name])
 
     # collect reports
     def _collect_reports(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome]) -> float:
@@ -766,21 +822,23 @@ class EdgeServer:
             o.report_s = t_report - o.t_verdict
             if self.links is not None and name not in cur.reports_waited:
                 # verdict sent -> report here, minus the device's correction: the one-way trips (+ the verdict)
-                entry = self.links.observe(name, "dl", o.dl_bytes, o.report_s - (o.correction_s or 0.0))
+                entry = self.links.observe(name, "dl", o.dl_bytes, o.report_s - (o.correction_s or 0.0), t=t_report)
                 o.link = {**(o.link or {}), "dl": entry}
-                self.controller.measured_rates[name] = self.links.rates(name)
+                self.publish_link_rates([name])
         return t_end
 
     # close and record
     def _close_round(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome], verify_s: float | None,
                      t_end: float) -> dict:
-        """Fit the round overhead (full rounds only), build the record and write it (flushed and fsynced:
-        a crash or Ctrl-C after this keeps the round), and finish the sessions that have all their tokens."""
+        """Fit the round overhead (full rounds only), build the record and write it (a crash or Ctrl-C after
+        this keeps the round), and finish the sessions that have all their tokens."""
         rp, round_s = cur.plan, t_end - cur.t0
         virtual = self._virtual_round(cur, outcomes, t_end) if self.channel_mode == "virtual" else None
         rec = round_record(rp, policy=self.policy, outcomes=outcomes, verify_s=verify_s, round_s=round_s,
                            t_start_s=cur.t0 - self.t_origin, virtual=virtual,
                            extra={"channel_mode": self.channel_mode, "plan_s": cur.plan_s,
+                                  "edge_phases_s": edge_phases(cur, verify_s, t_end, self._last_round_end),
+                                  **({"link_probes": self.prober.take_log()} if self.prober is not None else {}),
                                   "joined": sorted(set(self.sessions) - set(cur.schedule) - set(rp.sat_out))})
         if outcomes and len(outcomes) == len(cur.schedule):
             # T_0 is fitted in the record's time base: with a virtual channel, the virtual round time.
@@ -792,6 +850,7 @@ class EdgeServer:
             self.recorder.append_round(rec)
         self.rounds_done += 1
         self.last_record = rec
+        self._last_round_end = t_end
         cur.drafts = {}  # the round's q rows are no longer needed; late drafts are refused by `closed`
         for name in outcomes:
             s = self.sessions.get(name)
@@ -840,11 +899,17 @@ class EdgeServer:
         ends and passed to `on_round`; `run` returns them all only with `keep_records` (the default, for
         callers that summarize the list; a long run should pass False and read rounds.jsonl back, see
         `testbed.records.load_run`), else None. `rounds_done` and `last_record` tell how far it got."""
+        if self.scenario.rounds == "asynchronous":  # each device cycles on its own: `rounds` cycles each
+            from edge_node.async_rounds import run_asynchronous
+
+            return run_asynchronous(self, rounds, on_round=on_round, keep_records=keep_records,
+                                    start_round=start_round)
         records: list[dict] | None = [] if keep_records else None
         for r in range(start_round, rounds):
             self.round_index = r
             # Serve registrations that arrived between rounds (joins and rejoins); check the emulator.
             self.poll(time.monotonic() + join_wait_s)
+            self.probe_links()
             rec = self.run_round(r)
             if rec is None:
                 if not any(not s.done for s in self.sessions.values()):
@@ -876,6 +941,21 @@ class EdgeServer:
 
     def close(self) -> None:
         self.sock.close(linger=200)
+
+
+def edge_phases(cur: RoundInFlight, verify_s: float | None, t_end: float, last_end: float | None) -> dict:
+    """Where a round's time went on the edge clock (s; None where a stamp is missing), for the record:
+    `between_s` the previous round's end to this round's start (its record written and callbacks run, this
+    round's housekeeping, plan and channel configured), `drafts_s` schedules sent to drafting closed (the next
+    round planned meanwhile, the devices' drafting and uploads, the drafts decoded and checked), `reply_s`
+    verification done to every verdict sent (accept/reject, the estimates updated), `reports_s` waiting for
+    the reports."""
+    closed = cur.t_drafts_closed or None
+    replied = cur.t_reports_from
+    return {"between_s": None if last_end is None else cur.t0 - last_end,
+            "drafts_s": None if closed is None else closed - cur.t0,
+            "reply_s": None if closed is None or replied is None else replied - closed - (verify_s or 0.0),
+            "reports_s": None if replied is None else t_end - replied}
 
 
 def _finite_values(timings: dict) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ class RoundPlan:
     # measurement of a real link (`rate_source` says which); the emulator is configured with these.
     rate_override: dict[str, dict] = field(default_factory=dict)
     rate_source: str | None = None   # "trace" or "measured"
+    # A measured real link: name -> {"ul", "dl"}: "rounds" | "probe" | "model", the estimate each direction
+    # was planned with (`Controller.measured_sources`).
+    link_sources: dict[str, dict] = field(default_factory=dict)
     live_used: dict[str, dict] = field(default_factory=dict)  # name -> ChannelState.live_used at plan time
     sat_out: dict[str, str] = field(default_factory=dict)     # name -> why it is not in this round
     # name -> energy constants and budgets for the record (`testbed.energy.EnergyLedger.budgeted`)
@@ -150,6 +154,9 @@ class Controller:
         # Rates the edge measured on a real link (`channel.measure_links`): name -> {"ul": bit/s or None,
         # "dl": bit/s or None}; they fix those links' rates in the plan as a rate trace does.
         self.measured_rates: dict[str, dict[str, float | None]] = {}
+        # ... and which estimate each is: name -> {"ul", "dl"}: "rounds" | "probe" | "model" (none: the model's
+        # rate); `testbed.link_estimate.LinkEstimator.choose`.
+        self.measured_sources: dict[str, dict[str, str]] = {}
         # Energy constants per device (from its registration) and the UL air-time excess the budgets allow for.
         self.energy = EnergyLedger(scenario)
 
@@ -187,7 +194,7 @@ class Controller:
         if e.rounds_timed == 1:
             return  # the first draft also prefills the prompt and warms the runtime up: not a per-token time
         e.recent = (e.recent + [draft_s / draft_len])[-self.window:]
-        e.draft_time_s = float(np.median(e.recent))
+        e.draft_time_s = statistics.median(e.recent)  # np.median's value, at a tenth of its cost per round
 
     def observe_verify(self, positions: int, verify_s: float) -> None:
         self._verify_obs.append((float(positions), float(verify_s)))
@@ -216,7 +223,7 @@ class Controller:
         self._overhead_obs.append(residual)
         recent = self._overhead_obs
         if len(recent) >= 3:
-            self.round_overhead_s = max(0.0, float(np.median(recent)))
+            self.round_overhead_s = max(0.0, statistics.median(recent))
 
     def observe_hardware(self, name: str, hardware: dict | None) -> None:
         """The hardware a device registered with: its energy constants (receive power, J per drafted token)."""
@@ -330,7 +337,8 @@ class Controller:
         return RoundPlan(round_index, list(names), chosen.to_dict(), chosen.scenario, est,
                          {d.name: d for d in chosen.device_plans()}, requested=asked,
                          t_s=t_s, rate_override=fixed, rate_source=source, live_used=live, sat_out=sat_out,
-                         energy=energy)
+                         energy=energy, link_sources={n: dict(self.measured_sources[n]) for n in names
+                                                      if n in self.measured_sources})
 
     def _plan_or_fall_back(self, scen: Scenario, round_index: int, by_option: dict | None = None) -> Plan:
         """The profile's policy; when it finds no feasible schedule (e.g. an energy budget no upload fits) or
@@ -516,12 +524,16 @@ def _credited(o: DeviceOutcome) -> int:
     return 0 if o.report_late else (o.tokens or 0)
 
 
+_PLAIN = (str, int, bool, type(None))  # what _finite passes as it is, without a call per value
+
+
 def _finite(obj):
     """`obj` with every non-finite float (NaN, +-inf) replaced by None, recursively (dicts, lists, tuples)."""
     if isinstance(obj, (float, np.floating)):
         return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, dict):  # a round record: hundreds of values, most of them plain floats
+        return {k: (v if math.isfinite(v) else None) if type(v) is float else v if type(v) in _PLAIN
+                else _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return obj
@@ -547,6 +559,8 @@ def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: fl
     if fixed is not None:  # the rates that fixed this device's links, beside the planned and charged ones
         entry["trace_rate_bps" if rp.rate_source == "trace" else "link_rate_bps"] = {
             "ul": fixed.get("ul"), "dl": fixed.get("dl")}
+    if name in rp.link_sources and rp.rate_source != "trace":
+        entry["link_rate_source"] = rp.link_sources[name]  # which estimate of the real link each direction used
     if name in rp.live_used:
         entry["live_used"] = rp.live_used[name]
     if o is None:

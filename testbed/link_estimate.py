@@ -23,6 +23,11 @@ size and small ones, the line goes through both: a burst then shows as a higher 
 time of that large message is still right (it is what the line was fitted to). A direction whose messages
 all have one size (DL mode at one draft length: every measured verdict a distribution) takes the other
 direction's small messages as its intercept (`LinkEstimator.small_anchor`).
+
+A direction the current mode does not load with large messages (a DL-mode device uploads small drafts, a
+UL-mode device gets small verdicts) is measured by probe sweeps instead (`edge_node.probing`): their fits
+are kept apart (`set_probe`; a probe round trip has another intercept), and `choose` plans with the more
+recent of the two and says which ("rounds", "probe", or "model" when neither exists).
 """
 
 from __future__ import annotations
@@ -70,14 +75,29 @@ class DirectionEstimate:
 
     def __init__(self, window: int = 40):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.times: deque[float | None] = deque(maxlen=window)  # the edge clock of each sample (None: not given)
         self.fit: LinkFit | None = None
+        self.fresh_t: float | None = None  # when the fit's large messages were last measured (see `_fresh`)
 
-    def add(self, nbytes: int, seconds: float, anchor: tuple[int, float] | None = None) -> LinkFit | None:
-        """Add one message's size and time; returns the refitted line (None while it cannot tell)."""
+    def add(self, nbytes: int, seconds: float, anchor: tuple[int, float] | None = None,
+            t: float | None = None) -> LinkFit | None:
+        """Add one message's size and time (`t`: when, on the edge clock); returns the refitted line (None
+        while it cannot tell)."""
         if nbytes > 0 and math.isfinite(seconds):
             self.samples.append((int(nbytes), float(seconds)))
+            self.times.append(t)
             self.fit = fit_line(list(self.samples), anchor)
+            self.fresh_t = self._fresh()
         return self.fit
+
+    def _fresh(self) -> float | None:
+        """The latest time a large message (>= LARGE_FRACTION of the largest in the window) was measured: a
+        fit is as fresh as its slope, which small messages alone do not renew (a DL-mode device's uploads)."""
+        if self.fit is None:
+            return None
+        top = max(b for b, _ in self.samples)
+        times = [t for (b, _), t in zip(self.samples, self.times) if b >= LARGE_FRACTION * top and t is not None]
+        return max(times, default=None)
 
 
 def _group_minima(samples: list[tuple[int, float]]) -> dict[int, tuple[int, float]]:
@@ -131,6 +151,7 @@ class LinkEstimator:
     def __init__(self, window: int = 40):
         self.window = window
         self.links: dict[str, dict[str, DirectionEstimate]] = {}
+        self.probes: dict[str, dict[str, tuple[LinkFit, float]]] = {}  # name -> direction -> (fit, ended at)
 
     def _dir(self, name: str, direction: str) -> DirectionEstimate:
         per = self.links.setdefault(name, {"ul": DirectionEstimate(self.window), "dl": DirectionEstimate(self.window)})
@@ -149,17 +170,59 @@ class LinkEstimator:
             return None
         return min(_group_minima(list(other.samples)).values())
 
-    def observe(self, name: str, direction: str, nbytes: int, seconds: float) -> dict:
-        """Add one message and return its entry for the round record: the time as measured (``raw_s``),
-        the transfer time by the fit made before it (``s``: raw minus that intercept; None before a fit),
-        and the fit after it."""
+    def observe(self, name: str, direction: str, nbytes: int, seconds: float, t: float | None = None) -> dict:
+        """Add one message (`t`: when, on the edge clock) and return its entry for the round record: the
+        time as measured (``raw_s``), the transfer time by the fit made before it (``s``: raw minus that
+        intercept; None before a fit), and the fit after it."""
         est = self._dir(name, direction)
         before = est.fit
-        after = est.add(nbytes, seconds, anchor=self.small_anchor(name, direction))
+        after = est.add(nbytes, seconds, anchor=self.small_anchor(name, direction), t=t)
         return {"bytes": int(nbytes), "raw_s": seconds,
                 "s": None if before is None else max(0.0, seconds - before.intercept_s),
                 "fit": None if after is None else after.to_dict()}
 
     def rates(self, name: str) -> dict[str, float | None]:
-        """{"ul": bit/s or None, "dl": bit/s or None}: the fitted rates (None: not measurable yet)."""
+        """{"ul": bit/s or None, "dl": bit/s or None}: the rates fitted to the rounds' messages (None: not
+        measurable yet). `plan_rates` combines them with the probes'."""
         return {d: (None if (f := self.fit(name, d)) is None else f.rate_bps) for d in ("ul", "dl")}
+
+    # -- probe sweeps (`edge_node.probing`) ----------------------------------------------------------
+    def set_probe(self, name: str, direction: str, fit: LinkFit | None, t: float) -> None:
+        """A probe sweep of `direction` ended at `t` (edge clock) with `fit` (None: it could not tell). A
+        sweep is one measurement: its fit replaces the previous sweep's; a sweep without a fit keeps it.
+        Probe round trips have their own intercept (a probe and its echo, not a schedule and a draft), so
+        their fits are kept apart from the rounds' and only their rates are compared."""
+        if fit is not None:
+            self.probes.setdefault(name, {})[direction] = (fit, t)
+
+    def probe_fit(self, name: str, direction: str) -> tuple[LinkFit, float] | None:
+        """(the latest probe sweep's fit, when it ended), or None."""
+        return self.probes.get(name, {}).get(direction)
+
+    def choose(self, name: str, direction: str) -> tuple[float | None, str]:
+        """The rate to plan `direction` with and its source: the most recent measurement, "rounds" (the fit
+        to the rounds' messages, dated by its latest large message) or "probe" (the latest sweep's fit; a
+        tie goes to the rounds), else (None, "model"): the model's rate. Sweeps run when the rounds do not
+        measure a direction (`edge_node.probing`), so a direction the rounds load is planned with their fit,
+        and one they stopped loading with the sweep made since."""
+        est = self._dir(name, direction)
+        rounds, probe = est.fit, self.probe_fit(name, direction)
+        t_rounds = -math.inf if est.fresh_t is None else est.fresh_t
+        if rounds is not None and (probe is None or t_rounds >= probe[1]):
+            return rounds.rate_bps, "rounds"
+        if probe is not None:
+            return probe[0].rate_bps, "probe"
+        return None, "model"
+
+    def plan_rates(self, name: str) -> tuple[dict[str, float | None], dict[str, str]]:
+        """({"ul", "dl"}: bit/s or None, {"ul", "dl"}: "rounds" | "probe" | "model"), by `choose`."""
+        chosen = {d: self.choose(name, d) for d in ("ul", "dl")}
+        return {d: c[0] for d, c in chosen.items()}, {d: c[1] for d, c in chosen.items()}
+
+    def last_measured(self, name: str, direction: str) -> float | None:
+        """When `direction`'s rate was last measured (edge clock): the rounds fit's freshness or the latest
+        probe sweep, whichever is later; None if never."""
+        fresh = self._dir(name, direction).fresh_t
+        probe = self.probe_fit(name, direction)
+        times = [t for t in (fresh, None if probe is None else probe[1]) if t is not None]
+        return max(times, default=None)

@@ -16,6 +16,7 @@ from channel_emulator import DEFAULT_SPIN_S
 from testbed import PROFILES_DIR
 from testbed.config_override import Override, OverrideError, apply_override, attribute, did_you_mean, loc_text, rule
 from testbed.errors import TestbedError
+from testbed.wire.protocol import MAX_PROBE_BYTES
 
 DEFAULT_PROFILE = PROFILES_DIR / "emulation.yaml"
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.txt"
@@ -44,6 +45,26 @@ def _builtin_sources():
     return SOURCES
 
 
+class RateProbeSettings(_Strict):
+    """Probe sweeps of a measured real link (`measure_links`; edge_node/probing.py, docs/real-links.md)."""
+
+    enabled: bool = Field(default=True, description="sweep each direction at registration and refresh them")
+    every_s: float | None = Field(default=30.0, gt=0, description="re-probe a direction measured longer ago "
+                                                                  "than this (None: only at registration)")
+    budget_s: float = Field(default=1.0, gt=0, le=60, description="time limit of one sweep (one direction)")
+    target_s: float = Field(default=0.1, gt=0, le=10, description="sizes grow until a round trip takes this")
+    min_bytes: int = Field(default=1024, ge=1, description="the sweep's first size")
+    max_bytes: int = Field(default=2**18, ge=1, le=MAX_PROBE_BYTES, description="the sweep's largest size")
+    max_time_share: float = Field(default=0.05, gt=0, le=1, description="refresh sweeps' share of the time at "
+                                                                         "most (registration sweeps not counted)")
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        if self.min_bytes > self.max_bytes:
+            raise ValueError(f"min_bytes: {self.min_bytes} exceeds max_bytes: {self.max_bytes}")
+        return self
+
+
 class ChannelSettings(_Strict):
     mode: Literal["real", "virtual", "passthrough"] = "real"
     base_latency_s: float = Field(default=0.0, ge=0)
@@ -53,6 +74,7 @@ class ChannelSettings(_Strict):
     # passthrough only: the edge estimates each device's UL and DL rate from what it measures and plans with
     # them (testbed.link_estimate; docs/real-links.md).
     measure_links: bool = False
+    rate_probes: RateProbeSettings = RateProbeSettings()  # with measure_links: probe sweeps of each link
 
     @field_validator("state")
     @classmethod
@@ -190,6 +212,9 @@ class Profile(_Strict):
             self.scenario_obj(vocab_size=self.scenario.get("vocab_size") or 2)
         except ScenarioError as exc:
             raise ValueError(f"scenario: {exc}") from None
+        if self.scenario.get("rounds") == "asynchronous" and self.channel.mode == "virtual":
+            # edge_node.async_rounds: the virtual clock reconstructs synchronous rounds only
+            raise ValueError("scenario.rounds: asynchronous needs channel.mode real or passthrough, not virtual")
         return self
 
     # -- derived ---------------------------------------------------------------------------------

@@ -3,18 +3,26 @@
 Layout of ``runs/<stamp>/``:
   meta.json       profile snapshot, git revision, package versions, host, channel mode, start time, pid;
                   status (running -> complete | incomplete | interrupted | failed) and reason
-  rounds.jsonl    one round record per line, written as each round ends (a crash keeps every earlier round;
-                  a write that fails leaves no partial line)
-  progress.json   per device session: the token ids generated so far (rewritten after every round; what
-                  `multispin run --resume` continues from)
+  rounds.jsonl    one round record per line, written as each round ends (a write that fails leaves no partial
+                  line)
+  progress.jsonl  per device session: the token ids generated so far, one line per round with what changed
+                  since the line before (`load_progress` folds them; what `multispin run --resume` continues
+                  from; runs of earlier releases have a progress.json snapshot instead)
   outputs.json    per device session: prompt, generated text, token counts (written when the run ends)
   summary.json    run totals, status and reason (written for every run, however it ends)
+
+Durability: each line is in the file (the kernel's page cache) when the call returns, so a crash of the
+process, kill -9 included, keeps every line written. fsync, which only a power cut or a kernel crash needs,
+costs about as much as the rest of a round's bookkeeping together; the two logs are fsynced together at most
+every `sync_interval_s` (1 s), when the recorder closes, and by `sync()`. A power cut can therefore lose the
+lines of the last second, the same for both logs (never a partial line that the reader keeps).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -101,35 +109,76 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, default=_json_default, allow_nan=False, separators=(",", ":"))
 
 
-class RunRecorder:
-    """Writes one run directory. Every write is complete or absent: a round is one line, written, flushed and
-    fsynced (a write that fails is cut back to the last complete line and raises a TestbedError); the JSON
-    files are replaced atomically. Opening an existing directory (a resumed run) cuts a torn last line."""
+class _JsonLines:
+    """An append-only JSON-lines file, unbuffered: what `append` wrote is in the file, whole or not at all (a
+    write that fails is cut back to the last complete line). Opening it cuts a torn last line."""
 
-    def __init__(self, run_dir: str | Path):
-        self.dir = Path(run_dir)
-        path = self.dir / "rounds.jsonl"
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            # Unbuffered: what append_round wrote is what is in the file, so a failure can be cut back exactly.
-            self._rounds = open(path, "a+b", buffering=0)  # readable too: the tail check below
-            self._size = self._repair_tail()
-        except OSError as exc:
-            raise unwritable(self.dir, exc) from None
-        self.count = 0
-        self.last_round = self._last_round_on_disk()
+    def __init__(self, path: Path):
+        self.path = path
+        self.fh = open(path, "a+b", buffering=0)  # readable too: the tail check
+        self.size = self._repair_tail()
+        self.dirty = False  # written since the last fsync
 
     def _repair_tail(self) -> int:
         """Cut a torn last line (a run killed mid-write, or before these writes were atomic); returns the size."""
-        fd = self._rounds.fileno()
+        fd = self.fh.fileno()
         size = os.fstat(fd).st_size
         if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
             return size
         tail = os.pread(fd, min(size, 1 << 20), max(0, size - (1 << 20)))
         keep = size - len(tail) + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
-        log.warning("%s: cutting a torn last line (%d bytes)", self.dir / "rounds.jsonl", size - keep)
+        log.warning("%s: cutting a torn last line (%d bytes)", self.path, size - keep)
         os.ftruncate(fd, keep)
         return keep
+
+    def append(self, data: bytes) -> None:
+        """Write one line (`data` ends with a newline); OSError after cutting a partial write back."""
+        fd = self.fh.fileno()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:  # ENOSPC, EIO, or a signal mid-write: leave no partial line behind
+            try:
+                os.ftruncate(fd, self.size)
+            except OSError:
+                pass
+            raise
+        # The line is whole and readers may have seen it: nothing after this may cut it back.
+        self.size += len(data)
+        self.dirty = True
+
+    def sync(self) -> None:
+        if self.dirty and not self.fh.closed:
+            os.fsync(self.fh.fileno())
+            self.dirty = False
+
+    def close(self) -> None:
+        if not self.fh.closed:
+            self.fh.close()
+
+
+class RunRecorder:
+    """Writes one run directory. Every write is complete or absent: a round is one line (a write that fails is
+    cut back to the last complete line and raises a TestbedError), so is each progress entry; the JSON files
+    are replaced atomically. Opening an existing directory (a resumed run) cuts torn last lines. The logs are
+    fsynced every `sync_interval_s` (0: after every line), on `sync()` and on `close()` (see the module's
+    docstring)."""
+
+    def __init__(self, run_dir: str | Path, *, sync_interval_s: float = 1.0):
+        self.dir = Path(run_dir)
+        self.sync_interval_s = float(sync_interval_s)
+        self._last_sync = -math.inf
+        self._progress_log: _JsonLines | None = None  # opened by the first write_progress
+        self._progress_sent: dict[str, dict] = {}  # device -> its entry as the progress log has it
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._rounds_log = _JsonLines(self.dir / "rounds.jsonl")
+        except OSError as exc:
+            raise unwritable(self.dir, exc) from None
+        self.count = 0
+        self.last_round = self._last_round_on_disk()
+        self.write_s = 0.0  # time spent in append_round and write_progress, fsyncs included (where a round goes)
 
     def _last_round_on_disk(self) -> int | None:
         last = None
@@ -156,34 +205,20 @@ class RunRecorder:
         self._write(self.dir / "meta.json", meta)
 
     def append_round(self, record: dict) -> None:
-        """Append one round record as one complete line, flushed and fsynced."""
+        """Append one round record as one complete line (fsynced with the others, see the class)."""
         r = record.get("round")
         if r is not None and r == self.last_round:
             log.debug("round %s is recorded already", r)  # a write repeated after an interrupted one
             return
-        # NaN is not JSON: a missing measurement is null.
-        data = (dumps(_nan_to_none(record)) + "\n").encode()
-        fd = self._rounds.fileno()
+        t = time.perf_counter()
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        except BaseException as exc:  # ENOSPC, EIO, or a signal mid-write: leave no partial line behind
-            try:
-                os.ftruncate(fd, self._size)
-            except OSError:
-                pass
-            if isinstance(exc, OSError):
-                raise unwritable(self.dir, exc) from None
-            raise
-        # The line is whole and readers may have seen it: a signal during fsync must not cut it back.
-        self._size += len(data)
-        self.count += 1
-        self.last_round = r
-        try:
-            os.fsync(fd)
+            self._rounds_log.append((_line(record) + "\n").encode())
         except OSError as exc:
             raise unwritable(self.dir, exc) from None
+        self.count += 1
+        self.last_round = r
+        self._sync_due()
+        self.write_s += time.perf_counter() - t
 
     def write_outputs(self, outputs: dict) -> None:
         self._write(self.dir / "outputs.json", outputs)
@@ -192,30 +227,138 @@ class RunRecorder:
         self._write(self.dir / "summary.json", summary)
 
     def write_progress(self, progress: dict) -> None:
-        """progress.json: atomic but not fsynced (rewritten every round; a killed process loses nothing
-        the kernel already has, and only a power cut could cost the last few rounds of it)."""
-        self._write(self.dir / "progress.json", progress, fsync=False)
+        """progress.jsonl: one line per call, {"round", "devices": {name: entry}} where each entry holds only
+        what changed since this recorder's previous line: its changed fields, and of `output_ids` the ids
+        from index `output_ids_from` on (the rest are kept). A recorder's first line is whole. `progress` is
+        the full state ({"round": r, "devices": {name: {"output_ids": [...], ...}}}); `load_progress` gives
+        it back."""
+        t = time.perf_counter()
+        devices = {}
+        for name, entry in (progress.get("devices") or {}).items():
+            delta = _progress_delta(self._progress_sent.get(name), entry)
+            if delta:
+                devices[name] = delta
+                self._progress_sent[name] = {**entry, "output_ids": list(entry.get("output_ids") or [])}
+        line = {k: v for k, v in progress.items() if k != "devices"}
+        line["devices"] = devices
+        try:
+            if self._progress_log is None:
+                self._progress_log = _JsonLines(self.dir / PROGRESS_LOG)
+            self._progress_log.append((_line(line) + "\n").encode())
+        except OSError as exc:
+            raise unwritable(self.dir, exc) from None
+        self._sync_due()
+        self.write_s += time.perf_counter() - t
+
+    def _sync_due(self) -> None:
+        if time.monotonic() - self._last_sync >= self.sync_interval_s:
+            self.sync()
+
+    def sync(self) -> None:
+        """fsync what the logs hold (rounds, then progress); a TestbedError when the disk refuses."""
+        self._last_sync = time.monotonic()
+        try:
+            for lines in (self._rounds_log, self._progress_log):
+                if lines is not None:
+                    lines.sync()
+        except OSError as exc:
+            raise unwritable(self.dir, exc) from None
 
     def end_run(self, status: str, reason: str, summary: dict | None = None, **meta: Any) -> None:
         """Best effort, for a run that stopped: summary.json and meta.json say how. Never raises (the error
         that stopped the run is the one to report); a failed write is logged."""
         summary = {"rounds": 0, **(summary or {}), "status": status, "reason": reason}
-        for write in (lambda: self.write_summary(summary),
+        for write in (self.sync, lambda: self.write_summary(summary),
                       lambda: self.update_meta(status=status, reason=reason, ended_utc=_now(), **meta)):
             try:
                 write()
             except TestbedError as exc:
                 log.error("%s", exc)
 
-    def _write(self, path: Path, obj: Any, fsync: bool = True) -> None:
+    def _write(self, path: Path, obj: Any) -> None:
+        self.sync()  # meta.json, outputs.json, summary.json never claim more than the logs durably hold
         try:
-            _write_json(path, obj, fsync=fsync)
+            _write_json(path, obj)
         except OSError as exc:
             raise unwritable(self.dir, exc) from None
 
     def close(self) -> None:
-        if not self._rounds.closed:
-            self._rounds.close()
+        """fsync and close the logs (a failed fsync is logged: the lines are written, only not yet durable)."""
+        try:
+            self.sync()
+        except TestbedError as exc:
+            log.error("%s", exc)
+        for lines in (self._rounds_log, self._progress_log):
+            if lines is not None:
+                lines.close()
+
+
+PROGRESS_LOG = "progress.jsonl"
+LEGACY_PROGRESS = "progress.json"  # earlier releases: a snapshot rewritten after every round
+
+
+def _line(obj: Any) -> str:
+    """One JSON line; NaN is not JSON, so a missing measurement (NaN) is null."""
+    try:
+        return dumps(obj)
+    except ValueError:  # a NaN somewhere (round records have none: the controller made them finite)
+        return dumps(_nan_to_none(obj))
+
+
+def _progress_delta(sent: dict | None, entry: dict) -> dict:
+    """What `entry` changes in a device's progress entry `sent` (None: the whole entry); {} if nothing."""
+    if sent is None:
+        return dict(entry)
+    delta = {k: v for k, v in entry.items() if k != "output_ids" and (k not in sent or sent[k] != v)}
+    ids, old = list(entry.get("output_ids") or []), sent["output_ids"]
+    keep = len(old)
+    if ids[:keep] != old:  # tokens taken back (a session ended before confirming them): the common prefix
+        keep = next((i for i, (a, b) in enumerate(zip(ids, old)) if a != b), min(len(ids), len(old)))
+    if keep < len(old) or len(ids) > keep:
+        delta["output_ids_from"], delta["output_ids"] = keep, ids[keep:]
+    return delta
+
+
+def load_progress(run_dir: str | Path) -> dict | None:
+    """Every device's progress ({"round": r, "devices": {name: {"output_ids": [...], "rounds", ...}}}) as the
+    run wrote it last: progress.jsonl folded line by line, or a run of an earlier release's progress.json;
+    None if there is neither (a torn last line is skipped; a line that does not fit the ones before ends the
+    fold there, with a warning)."""
+    run_dir = Path(run_dir)
+    path = run_dir / PROGRESS_LOG
+    if not path.is_file():
+        try:
+            data = json.loads((run_dir / LEGACY_PROGRESS).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+    state: dict = {"round": None, "devices": {}}
+    for n, line in enumerate(_json_lines(path)):
+        devices = line.get("devices") if isinstance(line, dict) else None
+        if not isinstance(devices, dict) or not _fold_progress(state["devices"], devices):
+            log.warning("%s: line %d does not follow the lines before it; using the progress up to there", path,
+                        n + 1)
+            break
+        state.update({k: v for k, v in line.items() if k != "devices"})
+    return state
+
+
+def _fold_progress(state: dict[str, dict], devices: dict) -> bool:
+    """Apply one progress line's entries to `state`; False (state unchanged) when one does not fit."""
+    updates = {}
+    for name, delta in devices.items():
+        if not isinstance(delta, dict):
+            return False
+        entry = {**state.get(name, {}), **delta}
+        start = entry.pop("output_ids_from", 0)
+        if "output_ids" in delta:
+            old = state.get(name, {}).get("output_ids", [])
+            if not (isinstance(start, int) and 0 <= start <= len(old) and isinstance(delta["output_ids"], list)):
+                return False
+            entry["output_ids"] = old[:start] + delta["output_ids"]
+        updates[name] = entry
+    state.update(updates)
+    return True
 
 
 def _now() -> str:
@@ -254,6 +397,11 @@ def iter_rounds(run_dir: str | Path) -> Iterator[dict]:
     path = Path(run_dir) / "rounds.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no round records (is {run_dir} a run directory?)")
+    yield from _json_lines(path)
+
+
+def _json_lines(path: Path) -> Iterator[Any]:
+    """The JSON values of a JSON-lines file; lines that do not parse (a torn last line) are skipped."""
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             line = line.strip()

@@ -121,7 +121,7 @@ def summarize(records: list[dict]) -> dict:
     """The run in numbers (pure; `summary.json` and `multispin report`). Two goodputs, named by what they
     average: `goodput_run_tps` = all tokens / all round time (the run's rate), `goodput_mean_round_tps` =
     the mean of the per-round goodputs (every round weighs the same; a short round weighs as a long one).
-    The keys of earlier releases stay beside them for one release."""
+    The keys of earlier releases stay beside them for one release. Asynchronous rounds: `_with_asynchronous`."""
     if not records:
         return {"rounds": 0}
     tokens = sum(r["measured"]["tokens"] for r in records)
@@ -157,7 +157,7 @@ def summarize(records: list[dict]) -> dict:
     mean_pred = float(np.mean([r["predicted"]["goodput_tps"] or 0 for r in records]))
     bases = sorted({r.get("time_base", "wall") for r in records})
     wall = [r["measured"].get("wall_round_s") for r in records]
-    return {
+    summary = {
         "rounds": len(records), "policy": records[0].get("policy"), "channel_mode": records[0].get("channel_mode"),
         # "virtual": measured compute + annotated air time (the model's time base); "wall": the edge's clock.
         "time_base": bases[0] if len(bases) == 1 else "mixed",
@@ -178,6 +178,47 @@ def summarize(records: list[dict]) -> dict:
         # Per device and for the run: joules by term, tokens per joule, rounds over budget (testbed.energy).
         "energy": summarize_energy(records),
     }
+    return _with_asynchronous(summary, records)
+
+
+def _with_asynchronous(summary: dict, records: list[dict]) -> dict:
+    """Asynchronous rounds (one record per device cycle, `edge_node.async_rounds`): per device its cycles,
+    tokens, time (the sum of its cycle times, which follow one another) and goodput, measured next to
+    predicted (its E_k over its T_k); the run's goodput is their sum (the model's G = sum_k E_k / T_k), and
+    `time_s` the run's span."""
+    cycles = [r for r in records if r.get("rounds") == "asynchronous" and r.get("device") in r["devices"]]
+    if not cycles:
+        return summary
+    devices: dict[str, dict] = {}
+    for r in cycles:
+        s = devices.setdefault(r["device"], {"cycles": 0, "missed": 0, "tokens": 0, "time_s": 0.0,
+                                             "predicted_tokens": 0.0, "predicted_time_s": 0.0, "waits": [],
+                                             "batches": []})
+        s["cycles"] += 1
+        s["missed"] += bool(r["devices"][r["device"]].get("missed"))
+        s["tokens"] += r["measured"]["tokens"] or 0
+        s["time_s"] += r["measured"]["round_s"] or 0.0
+        s["predicted_tokens"] += r["predicted"]["tokens"] or 0.0
+        s["predicted_time_s"] += r["predicted"]["round_s"] or 0.0
+        if r.get("wait_s") is not None:
+            s["waits"].append(r["wait_s"])
+        if r.get("batch"):
+            s["batches"].append(len(r["batch"]))
+    devices = dict(sorted(devices.items()))
+    for s in devices.values():
+        s["goodput_tps"] = {"measured": s["tokens"] / s["time_s"] if s["time_s"] else None,
+                            "predicted": s["predicted_tokens"] / s["predicted_time_s"] if s["predicted_time_s"]
+                            else None}
+        waits, batches = s.pop("waits"), s.pop("batches")
+        s["mean_wait_s"] = float(np.mean(waits)) if waits else None  # draft arrived -> its batch verified
+        s["mean_batch"] = float(np.mean(batches)) if batches else None
+    total = {side: sum(s["goodput_tps"][side] or 0.0 for s in devices.values()) for side in ("measured", "predicted")}
+    span = max(r["t_start_s"] + r["measured"]["round_s"] for r in cycles) - min(r["t_start_s"] for r in cycles)
+    summary.update(rounds_mode="asynchronous", cycles=len(cycles), time_s=span,
+                   asynchronous={"devices": devices, "goodput_sum_tps": total},
+                   goodput_run_tps=dict(total), goodput_measured_tps=total["measured"],
+                   goodput_predicted_tps=total["predicted"])
+    return summary
 
 
 def _by_payload(records: list[dict]) -> dict:
@@ -223,12 +264,14 @@ def format_summary(summary: dict) -> str:
              "wall": "the edge's wall clock"}.get(base, base)
     ratio = run["measured"] / run["predicted"] if run["measured"] and run["predicted"] else None
     lines = [
-        f"policy {summary['policy']}, channel {summary['channel_mode']}, {summary['rounds']} rounds, "
+        f"policy {summary['policy']}, channel {summary['channel_mode']}, {summary['rounds']} "
+        f"{'device cycles' if summary.get('asynchronous') else 'rounds'}, "
         f"{summary['tokens']} tokens in {summary['time_s']:.2f} s ({clock})"
         + (f"; wall clock {summary['wall_time_s']:.2f} s" if base == "virtual" and summary.get("wall_time_s")
            else ""),
         f"goodput: measured {_num(run['measured'], '.2f')} tok/s, predicted {_num(run['predicted'], '.2f')} tok/s "
-        f"(ratio {_num(ratio, '.3f')})  [goodput_run_tps: all tokens / all round time]",
+        f"(ratio {_num(ratio, '.3f')})  [goodput_run_tps: "
+        + ("the devices' goodputs added]" if summary.get("asynchronous") else "all tokens / all round time]"),
         f"         per-round mean: measured {mean['measured']:.2f} tok/s, predicted {mean['predicted']:.2f} tok/s  "
         f"[goodput_mean_round_tps: mean of the rounds' tokens / round time]",
         f"rounds mixing UL and DL: {summary['rounds_with_ul_and_dl']}",
@@ -236,6 +279,8 @@ def format_summary(summary: dict) -> str:
         f"{'device':<10}{'UL rnds':>8}{'DL rnds':>8}{'missed':>7}{'tokens':>8}{'alpha':>8}{'acc/drft':>9}"
         f"{'mean L':>8}",
     ]
+    if summary.get("asynchronous"):
+        lines[3:3] = _asynchronous_lines(summary["asynchronous"])
     for name, s in summary["devices"].items():
         alpha = s.get("acceptance_rate", s.get("acceptance"))
         lines.append(f"{name:<10}{s['ul_rounds']:>8}{s['dl_rounds']:>8}{s['missed']:>7}{s['tokens']:>8}"
@@ -268,6 +313,20 @@ def format_summary(summary: dict) -> str:
     lines += _energy_lines(summary.get("energy"))
     lines += _notes(summary)
     return "\n".join(lines)
+
+
+def _asynchronous_lines(asy: dict) -> list[str]:
+    """Asynchronous rounds: per device its cycles and goodput, measured against predicted."""
+    lines = ["asynchronous rounds (one record per device cycle):"]
+    for name, s in asy["devices"].items():
+        g = s["goodput_tps"]
+        lines.append(f"  {name:<10}{s['cycles']:>5} cycles ({s['missed']} missed), {s['tokens']:>6} tokens in "
+                     f"{s['time_s']:.2f} s: {_num(g['measured'], '.2f')} tok/s measured, "
+                     f"{_num(g['predicted'], '.2f')} predicted; mean batch {_num(s['mean_batch'], '.2f')}, mean wait "
+                     f"for the verifier {_num(None if s['mean_wait_s'] is None else 1e3 * s['mean_wait_s'], '.3g')} ms")
+    total = asy["goodput_sum_tps"]
+    lines.append(f"  sum: {_num(total['measured'], '.2f')} tok/s measured, {_num(total['predicted'], '.2f')} predicted")
+    return lines
 
 
 def _energy_lines(energy: dict | None) -> list[str]:

@@ -4,7 +4,7 @@ the channel emulator and the devices, runs the rounds and writes the run directo
 
 `testbed.launcher.run_live` is the one call that does both. Run directory (see `testbed.records`):
 meta.json (status running -> complete | incomplete | interrupted | failed, with the reason and the exit
-codes of the processes), rounds.jsonl, progress.json, outputs.json, summary.json (every run, with its
+codes of the processes), rounds.jsonl, progress.jsonl, outputs.json, summary.json (every run, with its
 status), logs/<process>.log.
 
 Statuses: ``complete`` (every round ran, or every session finished), ``incomplete`` (every device left
@@ -54,7 +54,7 @@ from testbed.launcher import (
 )
 from testbed.plugins import load_channel_source
 from testbed.profile import Profile, ProfileError, load_profile
-from testbed.records import RunRecorder, iter_rounds
+from testbed.records import RunRecorder, iter_rounds, load_progress
 from testbed.runs_index import pid_alive
 from testbed.security import EDGE_CLIENT, ClientKeys, SecurityError, ServerKeys, require_keys_or_insecure
 
@@ -94,7 +94,7 @@ class LiveSession:
     tmp: Path | None = None  # private folder of the ipc:// sockets
     server: EdgeServer | None = None
     channel: ChannelControl | None = None
-    outputs: dict[str, dict] = field(default_factory=dict)  # latest progress per device (progress.json)
+    outputs: dict[str, dict] = field(default_factory=dict)  # latest progress per device (progress.jsonl)
 
     @property
     def names(self) -> list[str]:
@@ -202,6 +202,8 @@ def load_resume(run_dir: str | Path) -> tuple[Profile, Resume]:
         for rec in iter_rounds(run_dir):
             if isinstance(rec.get("round"), int):
                 last = rec["round"]
+    if profile.scenario.get("rounds") == "asynchronous":  # per-device cycle counts are not recovered
+        raise TestbedError(f"{what}: a run with asynchronous rounds cannot be resumed; start a new run")
     start = 0 if last is None else last + 1
     if start >= profile.rounds:
         raise TestbedError(f"{what}: all {profile.rounds} rounds are recorded; nothing to resume")
@@ -210,10 +212,10 @@ def load_resume(run_dir: str | Path) -> tuple[Profile, Resume]:
 
 
 def _prior_outputs(run_dir: Path) -> dict[str, dict]:
-    """Token ids per device so far: progress.json (every round) or else outputs.json (end of the run)."""
-    for name, pick in (("progress.json", lambda d: d.get("devices")), ("outputs.json", lambda d: d)):
+    """Token ids per device so far: the progress log (every round) or else outputs.json (end of the run)."""
+    for name, pick in (("progress", lambda d: d.get("devices")), ("outputs.json", lambda d: d)):
         try:
-            data = pick(json.loads((run_dir / name).read_text()))
+            data = pick(load_progress(run_dir) if name == "progress" else json.loads((run_dir / name).read_text()))
         except (OSError, json.JSONDecodeError, AttributeError):
             continue
         if isinstance(data, dict):
@@ -322,7 +324,8 @@ def start_edge(s: LiveSession) -> None:
                               on_air_vocab_size=p.on_air_vocab_size, vocab_size=s.vocab,
                               channel_mode=p.channel.mode, base_latency_s=p.channel.base_latency_s,
                               recorder=s.recorder, policy=p.policy, prompt_texts=texts,
-                              measure_links=p.channel.measure_links, keys_dir=p.keys_dir,
+                              measure_links=p.channel.measure_links, rate_probes=p.channel.rate_probes,
+                              keys_dir=p.keys_dir,
                               heartbeat_s=p.heartbeat_s, liveness=p.liveness)
     except zmq.ZMQError as exc:  # a port taken since check_endpoints, or an address not of this host
         hp = tcp_port(bind)
@@ -421,12 +424,14 @@ def exited_devices(launcher: Launcher) -> list[str]:
 
 def run_rounds(s: LiveSession, progress: bool, on_round) -> list[dict]:
     """The profile's rounds, with a progress bar (round, tokens, measured and predicted goodput); after each
-    round progress.json gets every device's tokens so far (what a resumed run continues from)."""
+    round the progress log gets every device's tokens so far (what a resumed run continues from)."""
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=s.profile.rounds, initial=s.start_round, unit="round",
+        cycles = s.scenario.rounds == "asynchronous"  # one record per device cycle: `rounds` cycles each
+        bar = tqdm(total=s.profile.rounds * (len(s.names) if cycles else 1), initial=s.start_round,
+                   unit="cycle" if cycles else "round",
                    desc=f"{s.profile.name} [{s.profile.policy}]")
     tokens = 0
 
@@ -456,6 +461,12 @@ def run_from(server: EdgeServer, start: int, rounds: int, on_round) -> list[dict
 def outcome(s: LiveSession, records: list[dict]) -> tuple[str, str]:
     """(status, reason) of a run whose loop ended normally."""
     rounds = s.profile.rounds
+    if s.scenario.rounds == "asynchronous" and records:  # `round` counts the cycles of all devices
+        if s.server.sessions and all(x.done for x in s.server.sessions.values()):
+            return COMPLETE, f"every device session finished (max_new_tokens) after {len(records)} cycles"
+        if s.server.sessions:
+            return COMPLETE, f"up to {rounds} cycles per device (asynchronous rounds; {len(records)} cycles)"
+        return INCOMPLETE, f"every device left the run after {len(records)} cycles (asynchronous rounds)"
     last = records[-1]["round"] if records else s.start_round - 1
     if last + 1 >= rounds:
         return COMPLETE, f"{rounds} rounds"
@@ -488,7 +499,8 @@ def finish(s: LiveSession, records: list[dict], status: str, reason: str) -> dic
 
 
 def save_progress(s: LiveSession, round_index: int | None) -> None:
-    """progress.json: every device's tokens so far (a device that left keeps its last entry)."""
+    """The progress log (progress.jsonl): every device's tokens so far (a device that left keeps its last
+    entry); the recorder writes what changed since the last round."""
     s.outputs.update(session_outputs(s, s.server.sessions, text=False))
     s.recorder.write_progress({"round": round_index, "devices": s.outputs})
 

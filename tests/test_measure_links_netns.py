@@ -109,6 +109,7 @@ def test_the_edge_estimates_a_tbf_limited_uplink_from_a_live_run(micro_pair, vet
 def _start(veth, profile: dict, tmp_path: Path, micro_pair) -> tuple[subprocess.Popen, subprocess.Popen, Path]:
     """The edge in namespace a, the device in namespace b; returns (edge, device, runs dir)."""
     edge_ep = f"tcp://{veth.addr_a}:5556"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(profile))
     runs = tmp_path / "runs"
@@ -136,10 +137,9 @@ def test_the_optimizer_moves_a_device_between_modes_when_the_tbf_limit_changes_m
     try:
         uplink = TcShaper(veth.if_b, netns=veth.ns_b, qdisc="tbf")  # the device's egress
         downlink = TcShaper(veth.if_a, netns=veth.ns_a, qdisc="tbf")  # the edge's egress
-        # A queue of 0.2 s: with tbf's default 50 ms, TCP's window from the fast phase overflows the queue
-        # when the limit drops, and retransmission timeouts stall the link for seconds.
-        uplink.set_rate(slow, latency_s=0.2)
-        downlink.set_rate(fast, latency_s=0.2)
+        # A queue of 1 s (500 kB at the slow rate, more than a verdict): with 50 ms, TCP's window from the fast
+        # phase overflows the queue when the limit drops, and retransmission timeouts stall the link.
+        uplink.set_rate(slow, latency_s=1.0)
     except (TcUnavailable, RuntimeError) as exc:
         pytest.skip(f"tc tbf is not available here: {exc}")
     switch_at, rounds = 25, 60
@@ -159,24 +159,32 @@ def test_the_optimizer_moves_a_device_between_modes_when_the_tbf_limit_changes_m
                      "downlink_bandwidth_hz": 3e6, "downlink_power_w": 0.2,
                      "devices": [{"name": "d0", "distance_m": 150, "draft_time_s": 0.001, "acceptance": 0.6}]},
     }
-    edge, device, runs = _start(veth, profile, tmp_path, micro_pair)
-    try:
-        end = time.monotonic() + 240
-        while _rounds_so_far(runs) < switch_at:
-            assert edge.poll() is None, edge.communicate()[0][-3000:]
-            assert time.monotonic() < end, "too few rounds before the switch"
-            time.sleep(0.1)
-        uplink.set_rate(fast, latency_s=0.2)
-        downlink.set_rate(slow, latency_s=0.2)
-        switched = _rounds_so_far(runs)
-        out, _ = edge.communicate(timeout=300)
-        device_log = device.communicate(timeout=30)[1]
-        assert edge.returncode == 0, out[-3000:] + "\ndevice:\n" + device_log[-3000:]
-    finally:
-        for p in (edge, device):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=10)
+    # One more run when the swap itself stalled the connection: about 1 run in 6, whatever the queue, TCP held
+    # the verdict in flight at the swap for over 20 s (the liveness window), and the device left. That is the
+    # harness (a qdisc replaced under a transfer), not the estimates or the plan this test is about.
+    for attempt in (1, 2):
+        uplink.set_rate(slow, latency_s=1.0)
+        downlink.set_rate(fast, latency_s=1.0)
+        edge, device, runs = _start(veth, profile, tmp_path / f"try{attempt}", micro_pair)
+        try:
+            end = time.monotonic() + 240
+            while _rounds_so_far(runs) < switch_at:
+                assert edge.poll() is None, edge.communicate()[0][-3000:]
+                assert time.monotonic() < end, "too few rounds before the switch"
+                time.sleep(0.1)
+            uplink.set_rate(fast, latency_s=1.0)
+            downlink.set_rate(slow, latency_s=1.0)
+            switched = _rounds_so_far(runs)
+            out, _ = edge.communicate(timeout=300)
+            device_log = device.communicate(timeout=30)[1]
+        finally:
+            for p in (edge, device):
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(timeout=10)
+        if edge.returncode == 0 or attempt == 2 or "was silent for" not in device_log:
+            break
+    assert edge.returncode == 0, out[-3000:] + "\ndevice:\n" + device_log[-3000:]
     (run_dir,) = list(runs.iterdir())
     meta, records = load_run(run_dir)
     assert meta["status"] == "complete"
@@ -195,3 +203,66 @@ def test_the_optimizer_moves_a_device_between_modes_when_the_tbf_limit_changes_m
     # include the one in flight at the change, partly sent at the fast rate (seen: 4.71 Mbit/s for 4).
     assert rates[switched - 1]["dl"] == pytest.approx(fast, rel=0.10)
     assert rates[-1]["ul"] == pytest.approx(fast, rel=0.10) and rates[-1]["dl"] == pytest.approx(slow, rel=0.25)
+
+
+@pytest.mark.parametrize("ul_bps, dl_bps", [(4e6, 20e6), (8e6, 4e6), (20e6, 8e6)])
+def test_the_registration_probes_measure_both_tbf_limited_directions_before_the_first_round(micro_pair, veth,
+                                                                                             tmp_path, ul_bps,
+                                                                                             dl_bps):
+    """Both directions shaped by their own tbf: the probe sweeps at the device's registration (`probe`,
+    `probe_echo`; edge_node/probing.py) give each direction's rate before round 0, and round 0 is planned
+    with them (`link_rate_source`: probe)."""
+    from channel_emulator.tc_backend import TcShaper, TcUnavailable
+
+    try:
+        # A queue of 0.2 s, as in the mode-switch test: tbf's default 50 ms is shorter than a sweep's largest
+        # probe (0.1 s of transfer), TCP then loses packets, and its retransmission timeout (200 ms) holds
+        # probes; a sweep claims no rate then (its fit refuses the scatter): 3 sweeps of 10 measured here.
+        TcShaper(veth.if_b, netns=veth.ns_b, qdisc="tbf").set_rate(ul_bps, latency_s=0.2)  # the device's egress
+        TcShaper(veth.if_a, netns=veth.ns_a, qdisc="tbf").set_rate(dl_bps, latency_s=0.2)  # the edge's egress
+    except (TcUnavailable, RuntimeError) as exc:
+        pytest.skip(f"tc tbf is not available here: {exc}")
+    profile = {
+        "name": "probed-link", "deployment": "lan", "security": "insecure", "seed": 3, "rounds": 2,
+        "policy": "proposed", "deadline_s": 20.0, "wait_for_devices_s": 90,
+        "prompts": ["def parse(text):"], "on_air_vocab_size": 151936,
+        "model": {"pair": "local", "target": str(micro_pair.target_dir), "draft_onnx": str(micro_pair.draft_onnx),
+                  "tokenizer": str(micro_pair.tokenizer), "threads": 1},
+        "channel": {"mode": "passthrough", "measure_links": True, "state": {"source": "model", "fading": "none"}},
+        "scenario": {"bits_per_prob": 16, "max_draft_len": 4, "uplink_bandwidth_hz": 3e6,
+                     "downlink_bandwidth_hz": 3e6, "downlink_power_w": 0.2,
+                     "devices": [{"name": "d0", "distance_m": 150, "draft_time_s": 0.001, "acceptance": 0.6}]},
+    }
+    edge, device, runs = _start(veth, profile, tmp_path, micro_pair)
+    try:
+        out, _ = edge.communicate(timeout=300)
+        device_log = device.communicate(timeout=30)[1]
+        assert edge.returncode == 0, out[-3000:] + "\ndevice:\n" + device_log[-3000:]
+    finally:
+        for p in (edge, device):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=10)
+    (run_dir,) = list(runs.iterdir())
+    meta, records = load_run(run_dir)
+    assert meta["status"] == "complete"
+    first = records[0]
+    sweeps = {x["direction"]: x for x in first["link_probes"]}
+    assert {x["why"] for x in sweeps.values()} == {"registration"} and set(sweeps) == {"ul", "dl"}
+    d0 = first["devices"]["d0"]
+    assert d0["link_rate_source"] == {"ul": "probe", "dl": "probe"}
+    rows = {}
+    for direction, tbf in (("ul", ul_bps), ("dl", dl_bps)):
+        sw = sweeps[direction]
+        assert sw["error"] is None, sw
+        est, payload = sw["fit"]["rate_bps"], tbf * MSS / (MSS + 66)
+        assert d0["link_rate_bps"][direction] == pytest.approx(est)  # round 0 planned with the sweep's rate
+        rows[direction] = {"tbf_mbps": tbf / 1e6, "estimate_mbps": round(est / 1e6, 4),
+                           "vs_tbf": round(est / tbf - 1, 4), "vs_payload": round(est / payload - 1, 4),
+                           "sweep_s": round(sw["s"], 3), "probes": sw["pings"], "largest_bytes": sw["max_bytes"]}
+    print("\n" + json.dumps(rows))
+    # Within 5% of the payload rate tbf leaves TCP (x 1448 / 1514: what the application gets, the probe's
+    # rate), and so within 5% + the 4.4% header share of tbf's own rate.
+    for direction, row in rows.items():
+        assert abs(row["vs_payload"]) < 0.05, (direction, row)
+        assert abs(row["vs_tbf"]) < 0.05 + 66 / 1514, (direction, row)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from testbed import report
 from testbed.controller import Controller, DeviceOutcome, round_record
 from testbed.profile import ProfileError, load_profile
-from testbed.records import RunRecorder, load_run
+from testbed.records import RunRecorder, load_progress, load_run
 from testbed.scenario_file import load_scenario
 
 SCEN = {"bits_per_prob": 16, "max_draft_len": 6,
@@ -63,6 +64,71 @@ def test_records_are_durable_and_a_torn_line_is_skipped(tmp_path):
     assert meta["channel_mode"] == "real" and meta["profile"] == {"name": "x"} and "packages" in meta
     assert [r["round"] for r in rounds] == [0, 1]
     rec.close()
+
+
+def _entry(ids, rounds):
+    return {"session": "a#0", "prompt": "p", "output_tokens": len(ids), "output_ids": list(ids), "rounds": rounds}
+
+
+def test_the_progress_log_holds_what_changed_and_folds_back_to_every_state(tmp_path):
+    rec = RunRecorder(tmp_path)
+    states = [{"a": _entry([1, 2], 1)},
+              {"a": _entry([1, 2, 3, 4], 2), "b": _entry([9], 1)},
+              {"a": _entry([1, 2, 3, 4], 2), "b": _entry([9, 8], 2)},  # a unchanged: left out of the line
+              {"a": _entry([1, 2, 5], 3), "b": _entry([9, 8], 2)},     # tokens taken back, then one more
+              {"a": _entry([1], 3), "b": _entry([], 2)}]
+    for r, devices in enumerate(states):
+        rec.write_progress({"round": r, "devices": devices})
+        assert load_progress(tmp_path) == {"round": r, "devices": devices}
+    lines = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert lines[1]["devices"]["a"] == {"output_tokens": 4, "output_ids_from": 2, "output_ids": [3, 4], "rounds": 2}
+    assert lines[2]["devices"] == {"b": {"output_tokens": 2, "output_ids_from": 1, "output_ids": [8], "rounds": 2}}
+    assert lines[3]["devices"]["a"]["output_ids_from"] == 2 and lines[3]["devices"]["a"]["output_ids"] == [5]
+    rec.close()
+    # A resumed run's recorder starts with whole entries; a device that did not come back keeps its last one.
+    with open(tmp_path / "progress.jsonl", "a") as fh:
+        fh.write('{"round": 9, "devices": {"a": {"output_ids_fr')  # killed mid-write
+    rec = RunRecorder(tmp_path)
+    rec.write_progress({"round": 5, "devices": {"a": _entry([1, 7], 4)}})
+    rec.close()
+    assert load_progress(tmp_path) == {"round": 5, "devices": {"a": _entry([1, 7], 4), "b": _entry([], 2)}}
+    last = json.loads((tmp_path / "progress.jsonl").read_text().splitlines()[-1])
+    assert last["devices"]["a"]["output_ids"] == [1, 7] and "output_ids_from" not in last["devices"]["a"]
+
+
+def test_a_progress_line_that_does_not_fit_ends_the_fold_and_an_old_snapshot_still_loads(tmp_path):
+    (tmp_path / "progress.jsonl").write_text(
+        '{"round": 0, "devices": {"a": {"output_ids": [1, 2]}}}\n'
+        '{"round": 1, "devices": {"a": {"output_ids_from": 5, "output_ids": [3]}}}\n')
+    assert load_progress(tmp_path) == {"round": 0, "devices": {"a": {"output_ids": [1, 2]}}}
+    old = tmp_path / "old"
+    old.mkdir()
+    assert load_progress(old) is None
+    (old / "progress.json").write_text('{"round": 3, "devices": {"a": {"output_ids": [4]}}}')
+    assert load_progress(old) == {"round": 3, "devices": {"a": {"output_ids": [4]}}}
+
+
+def test_the_logs_are_fsynced_together_at_most_once_per_interval_and_on_close(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    rec = RunRecorder(tmp_path, sync_interval_s=3600)
+    for r in range(5):
+        rec.append_round({"round": r})
+        rec.write_progress({"round": r, "devices": {"a": _entry(range(r), r)}})
+    assert len(synced) == 1  # the first line; the others are written (a killed process keeps them) ...
+    assert len((tmp_path / "rounds.jsonl").read_text().splitlines()) == 5
+    assert load_progress(tmp_path)["devices"]["a"]["output_ids"] == [0, 1, 2, 3]
+    rec.write_summary({"rounds": 5})  # ... and fsynced (both logs) before a file that speaks of them (+ itself)
+    assert len(synced) == 4
+    rec.append_round({"round": 5})
+    rec.close()
+    assert len(synced) == 5  # closing syncs the rounds log (the progress log is clean)
+    every = RunRecorder(tmp_path / "every", sync_interval_s=0)
+    for r in range(3):
+        every.append_round({"round": r})
+    every.close()
+    assert len(synced) == 8
 
 
 def test_controller_estimates():

@@ -25,7 +25,7 @@ import yaml
 from testbed.errors import TestbedError
 from testbed.launcher import Launcher, RunInterrupted, interrupt_signals, run_live
 from testbed.profile import load_profile
-from testbed.records import RunRecorder, load_run, new_run_dir
+from testbed.records import RunRecorder, load_progress, load_run, new_run_dir
 
 CLI = [sys.executable, "-c", "import sys; from testbed.cli import main; sys.exit(main(sys.argv[1:]))"]
 
@@ -178,7 +178,7 @@ def test_kill_9_leaves_no_orphan_and_the_run_resumes(micro_pair, tmp_path):
     assert gone_s < 5.0, gone_s
     rounds = _check_rounds_file(run_dir)
     assert json.loads((run_dir / "meta.json").read_text())["status"] == "running"  # nobody could say otherwise
-    progress = json.loads((run_dir / "progress.json").read_text())
+    progress = load_progress(run_dir)  # every line written survives kill -9
     assert progress["round"] >= rounds[-1] and sorted(progress["devices"]) == ["d0", "d1"]
     meta = json.loads((run_dir / "meta.json").read_text())
     meta["profile"]["rounds"] = len(rounds) + 2

@@ -113,3 +113,21 @@ def test_seeded_determinism_and_one_verifier_for_both_modes():
     q_at = q[np.arange(len(toks)), toks]
     verdicts = {verify_draft(p, q_at, q, toks, "UL", RoundRandomness(3, f"dev-{i}", 0)) for i in range(30)}
     assert len(verdicts) > 1
+
+
+def test_the_edges_draws_made_ahead_are_the_rounds_draws():
+    """The edge makes a round's verification draws while the device drafts (`DrawsAhead`): the same numbers,
+    hence the same verdicts, as RoundRandomness gives after the verification."""
+    from edge_node.server import DrawsAhead
+
+    rng = np.random.default_rng(3)
+    for r in range(40):
+        ahead, later = DrawsAhead(7, "d0", r, 4), RoundRandomness(7, "d0", r)
+        assert all(np.array_equal(ahead.acceptance_uniforms(n), later.acceptance_uniforms(n)) for n in range(7))
+        assert ahead.final_uniform() == later.final_uniform()
+        toks = rng.integers(0, 4, 4).tolist()
+        q = rng.dirichlet(np.ones(4), 4)
+        p = rng.dirichlet(np.ones(4), 5)
+        for mode in ("UL", "DL"):
+            assert verify_draft(p, q[np.arange(4), toks], q, toks, mode, ahead) == \
+                verify_draft(p, q[np.arange(4), toks], q, toks, mode, later)

@@ -142,6 +142,9 @@ def _check_result(value, path: str = "result") -> None:
     elif isinstance(value, np.ndarray):
         if value.dtype.kind == "f":
             assert np.all(np.isfinite(value)), path
+    elif isinstance(value, M.WireRows):  # float16 rows as received, made float64 when used: check those
+        _check_result(np.asarray(value), path)
+        _check_result(value[len(value) - 1], path)
     else:
         raise AssertionError(f"{path}: unexpected {type(value).__name__}")
     if isinstance(value, M.Registered):  # what the device does with it next must not raise either
@@ -344,6 +347,46 @@ def mutated_dicts(draw) -> tuple[dict, dict]:
     return header, arrays
 
 
+@st.composite
+def canonical_headers(draw) -> bytes:
+    """A round's header as the builders write it (the shortcut of `decode_header`), with random numbers, maybe
+    one byte changed, inserted or deleted."""
+    ints = st.integers(0, 2**63 - 1)
+    nums = st.one_of(ints, st.floats(allow_nan=False, allow_infinity=False))
+    kind = draw(st.sampled_from(["schedule", "verdict", "report", "draft_UL", "draft_DL"]))
+    if kind == "schedule":
+        frames = M.schedule(draw(ints), draw(st.sampled_from(["UL", "DL"])), draw(ints), draw(nums), draw(nums),
+                            draw(nums), topk=draw(st.one_of(st.none(), ints)))
+    elif kind == "verdict":
+        frames = M.verdict(draw(ints), draw(ints), draw(st.one_of(st.none(), ints)))
+    elif kind == "report":
+        frames = M.report(draw(ints), draw(ints), draw(ints), {"correction_s": draw(nums)}, None)
+    else:
+        wire = to_wire_precision(_q(L), 16)
+        frames = M.draft(draw(ints), kind[-2:], [1, 7, 49], exact_from_wire(wire), q_wire=wire, last_token=draw(ints),
+                         bits_per_prob=16, on_air_vocab=ON_AIR,
+                         timings={k: draw(nums) for k in ("draft_s", "compute_s", "emulated_extra_s", "compute_scale")})
+    text = bytes(frames[0])
+    action = draw(st.sampled_from(["none", "replace", "insert", "delete"]))
+    if action != "none":
+        i = draw(st.integers(0, len(text) - 1))
+        byte = draw(st.sampled_from(list(b'0123456789.eE-+",:{}[]nulaUDLqx ')))
+        text = (text[:i] + bytes([byte]) + text[i + (action == "replace"):] if action != "delete"
+                else text[:i] + text[i + 1:])
+    return text
+
+
+def check_canonical(text: bytes) -> None:
+    """The shortcut gives exactly what the strict parse gives (types and key order too), or stands aside."""
+    fast = P._canonical(text)
+    try:
+        strict = P.parse_json(text)
+    except ProtocolError:
+        assert fast is None, text
+        return
+    assert fast is None or repr(fast) == repr(strict), text
+
+
 error_args = st.tuples(st.one_of(st.text(max_size=3000), python_nasty),
                        st.one_of(python_nasty, st.integers(-(2**70), 2**70)))
 
@@ -356,6 +399,7 @@ TARGETS = {
     "error_reply": (error_args, check_error_reply, 1),
     "encode_header": (python_nasty, check_encode, 1),
     "parse_json": (st.one_of(st.binary(max_size=256), st.text(max_size=256)), check_parse_json, 1),
+    "canonical_headers": (canonical_headers(), check_canonical, 2),
 }
 
 
@@ -421,6 +465,24 @@ def test_killer_array_shapes_are_refused(shape, fragment):
     raw = b'{"v":1,"type":"draft","arrays":[{"name":"q","dtype":"float16","shape":' + shape + b"}]}"
     with pytest.raises(ProtocolError, match=fragment):
         P.decode([raw, b""])
+
+
+def test_a_rounds_own_headers_take_the_shortcut_to_the_strict_result():
+    wire = to_wire_precision(_q(L), 16)
+    timings = {"draft_s": 0.0030253099994297372, "compute_s": 0.003, "emulated_extra_s": 0.0, "compute_scale": 1.0}
+    for frames in (M.schedule(2, "DL", L, 0.2, 0.0, 3.0), M.schedule(2, "UL", L, 0.2, 0.1, 3.0, topk=5),
+                   M.verdict(4, 2, 17), M.verdict(4, 3, None), M.report(4, 17, 2, {"correction_s": 1e-05}, None),
+                   M.draft(4, "UL", [1, 7, 49], exact_from_wire(wire), q_wire=wire, last_token=9, bits_per_prob=16,
+                           on_air_vocab=ON_AIR, timings=timings),
+                   M.draft(4, "DL", [1, 7, 49], exact_from_wire(wire), last_token=9, bits_per_prob=16,
+                           on_air_vocab=None, timings=timings)):
+        text = bytes(frames[0])
+        assert P._canonical(text) is not None, text
+        assert repr(P.decode_header(text)) == repr(P.parse_json(text))
+    # What the emulator adds, a link reading, a top-k upload, a p row: the strict way.
+    for frames in (VALID["draft_ul"], VALID["verdict_token"], VALID["report"], VALID["verdict_p"],
+                   _flat(M.report(4, 17, 2, {"correction_s": 0.001}, None, link={"snr_db": 3.0}))):
+        assert P._canonical(frames[0]) is None
 
 
 def test_decode_turns_any_exception_into_protocol_error():

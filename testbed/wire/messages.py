@@ -14,6 +14,9 @@ Message flow of one round (device k, round r):
   edge -> device  verdict  {round, n_accepted, token | null, air: dl}  (+ p (V_air,) when DL and rejected)
                   or       {round, dropped: true} when the device missed the deadline (no air time)
   device -> edge  report   {round, token, timings, channel of the verdict}
+Between rounds on a measured real link (`channel.measure_links`), not charged:
+  edge -> device  probe      {id, reply_bytes}  (+ pad (n,) uint8)
+  device -> edge  probe_echo {id, hold_s}       (+ pad (reply_bytes,) uint8), at once
 
 Distributions travel as wire rows (`testbed.core.sampling.to_wire_precision`); both ends compute with
 `exact_from_wire` of those very rows, the q the draft tokens were sampled from and the p the edge verified with.
@@ -27,14 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from testbed.core.sampling import WIRE_DTYPES, SamplingParams
+from testbed.core.sampling import WIRE_DTYPES, SamplingParams, exact_from_wire
 from testbed.wire import protocol as P
 from testbed.wire import sparse
 from testbed.wire.protocol import ProtocolError
 
 MODES = ("UL", "DL")
 MESSAGE_TYPES = (P.REGISTER, P.REGISTERED, P.ERROR, P.SCHEDULE, P.DRAFT, P.VERDICT, P.REPORT, P.BYE,
-                 P.HEARTBEAT)
+                 P.HEARTBEAT, P.PROBE, P.PROBE_ECHO)
 
 # Bounds of what a peer may send. Beyond them a value is a bug or an attack, never a real run; inside them
 # every later use (numpy int64, sums of seconds in the controller, buffers sized by V or L) stays finite.
@@ -57,6 +60,7 @@ DEFAULT_LIVENESS = 5
 MIN_HEARTBEAT_S = 0.01       # a faster heartbeat would be a flood, not a liveness check
 MAX_HEARTBEAT_S = 3600.0
 MAX_LIVENESS = 1000
+MAX_PROBE_BYTES = P.MAX_PROBE_BYTES  # a probe's or echo's padding, and the reply a probe may ask for
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
 # Known timing keys (seconds; compute_scale is a factor >= 0 under the same bounds). Unknown keys are
@@ -477,6 +481,61 @@ def draft(round_index: int, mode: str, tokens, q_rows, *, q_wire=None, last_toke
     return P.encode(header, payload)
 
 
+class WireRows:
+    """float16 wire rows (L, V), checked as `P.from_wire` checks them, that give a row as `exact_from_wire`
+    does only when it is used: a UL draft's verification reads q at the drafted tokens (`at`) and at most
+    one whole row (a correction), so the L x V float64 copy `from_wire` makes is skipped. Bit-identical to
+    it: the float64 sum of a float16 row that passes the check is exact in any order, so the sums here are
+    `exact_from_wire`'s, and a row is exact_from_wire of that row alone. `np.asarray(rows)` gives them all.
+    A check that fails says what `from_wire` would say."""
+
+    def __init__(self, wire: np.ndarray, sums: np.ndarray):
+        self.wire, self.sums = wire, sums
+        self.shape, self.dtype = wire.shape, np.dtype(np.float64)
+
+    @classmethod
+    def checked(cls, arr: np.ndarray, vocab_size: int, *, name: str) -> WireRows:
+        """`P.from_wire`'s checks in its order and with its messages, on the float16 bits and float64 sums."""
+        if arr.shape[-1] < vocab_size:
+            raise ProtocolError(f"{name} has {arr.shape[-1]} entries, fewer than the vocabulary {vocab_size}")
+        if arr.shape[-1] > vocab_size and np.any(arr[..., vocab_size:]):
+            raise ProtocolError(f"{name} has non-zero mass beyond the vocabulary size {vocab_size}")
+        rows = arr[..., :vocab_size]
+        bits = rows.view(np.uint16)
+        # Exact for a row that passes (its values are below 1.01: partial sums are multiples of 2**-24 below
+        # 2); a row far off is refused whatever the order of its sum. A NaN or an infinity (exponent bits all
+        # ones) makes its row's sum non-finite, a float16 sum cannot overflow float64: the bits are looked at
+        # only then.
+        sums = rows.sum(axis=-1, dtype=np.float64)
+        if not np.isfinite(sums).all() and ((bits & 0x7C00) == 0x7C00).any():
+            raise ProtocolError(f"{name}: contains NaN or infinite values")
+        if bits.max() > 0x8000:  # the sign bit set on anything but -0.0 (NaNs are out by now)
+            raise ProtocolError(f"{name}: contains negative probabilities")
+        err = np.abs(sums - 1.0).reshape(-1)
+        worst = int(np.argmax(err))
+        if err[worst] > P.PROB_SUM_TOLERANCE:
+            raise ProtocolError(f"{name}: row {worst} sums to {float(sums.reshape(-1)[worst]):.6g}; each row must "
+                                f"sum to 1 within {P.PROB_SUM_TOLERANCE}")
+        return cls(rows, sums)
+
+    def at(self, tokens: np.ndarray) -> np.ndarray:
+        """q of each row's token: row i at tokens[i] (float64)."""
+        idx = np.arange(len(tokens))
+        return self.wire[idx, tokens].astype(np.float64) / self.sums[idx]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, np.integer)):
+            return exact_from_wire(self.wire[key])
+        return np.asarray(self)[key]
+
+    def __array__(self, dtype=None, copy=None):
+        rows = exact_from_wire(self.wire)
+        return rows if dtype is None else rows.astype(dtype, copy=False)
+
+
 @dataclass
 class Draft:
     """A parsed draft upload; q as both ends compute with it (exact_from_wire of the wire rows)."""
@@ -484,7 +543,8 @@ class Draft:
     round: int
     mode: str
     tokens: np.ndarray           # (L,) int64
-    q_rows: np.ndarray | None    # UL: (L, V) float64, exact_from_wire of the received rows
+    # UL: (L, V) float64, exact_from_wire of the received rows (float16 rows: a `WireRows`, the same values)
+    q_rows: np.ndarray | WireRows | None
     q_at: np.ndarray             # (L,) float64, q of each drafted token
     last_token: int
     timings: dict                # DRAFT_TIMINGS present in the message: finite seconds >= 0
@@ -510,8 +570,9 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
     if toks is None or toks.dtype != np.int32 or toks.shape != (draft_len,):
         raise ProtocolError(f"draft.tokens: {None if toks is None else (toks.dtype.name, toks.shape)} is not "
                             f"allowed; must be int32 of shape ({draft_len},)")
-    if np.any(toks < 0) or np.any(toks >= vocab_size):
-        raise ProtocolError(f"draft.tokens: {toks.tolist()} is not allowed; ids must be in [0, {vocab_size})")
+    ids = toks.tolist()
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # a few ids: Python is quicker than numpy here
+        raise ProtocolError(f"draft.tokens: {ids} is not allowed; ids must be in [0, {vocab_size})")
     width = max(vocab_size, on_air_vocab or 0)
     q_bytes = 0
     if mode == "UL" and topk is not None:
@@ -526,8 +587,12 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
         if q is None or q.dtype.name != wire or q.shape != (draft_len, width):
             raise ProtocolError(f"draft.q: {None if q is None else (q.dtype.name, q.shape)} is not allowed; "
                                 f"must be {wire} of shape ({draft_len}, {width})")
-        q_rows = P.from_wire(q, vocab_size, name="draft.q")
-        q_at = q_rows[np.arange(draft_len), toks]
+        if q.dtype == np.float16:
+            q_rows = WireRows.checked(q, vocab_size, name="draft.q")
+            q_at = q_rows.at(toks)
+        else:
+            q_rows = P.from_wire(q, vocab_size, name="draft.q")
+            q_at = q_rows[np.arange(draft_len), toks]
         q_bytes = q.nbytes
     else:
         qa = _array(arrays, "q_at")
@@ -634,3 +699,70 @@ def parse_report(header: dict, vocab_size: int) -> Report:
 def parse_link(header: dict) -> dict | None:
     """The device's link reading a report or a heartbeat may carry (`LINK_FIELDS`), or None."""
     return _channel(header, "link", LINK_FIELDS, "a link reading {snr_db, signal_dbm, noise_dbm, age_s, ...}")
+
+
+# --- rate probes (`channel.measure_links`) ---------------------------------------------------------------
+
+def probe(probe_id: int, reply_bytes: int, pad=None) -> list:
+    """Edge -> device, not charged: a rate probe of the real link. `pad`: a uint8 vector (its bytes are the
+    downlink's load; None: none); `reply_bytes`: how much padding the echo carries back (the uplink's load)."""
+    arrays = {} if pad is None else {"pad": pad}
+    return P.encode({"type": P.PROBE, "id": int(probe_id), "reply_bytes": int(reply_bytes)}, arrays)
+
+
+@dataclass
+class Probe:
+    """A parsed `probe`."""
+
+    id: int
+    pad_bytes: int
+    reply_bytes: int
+
+
+def _pad(header: dict, arrays: dict) -> int:
+    """Bytes of a probe's or echo's padding (0 without one): only `pad`, uint8 of shape (n,), n bounded."""
+    where = f"{_kind(header)}.pad"
+    extra = sorted(set(arrays or {}) - {"pad"})
+    if extra:
+        raise ProtocolError(f"{_kind(header)}: array(s) {P.show(extra)} are not allowed; only 'pad'")
+    pad = _array(arrays, "pad")
+    if pad is None:
+        return 0
+    if pad.dtype != np.uint8 or pad.ndim != 1 or pad.size > MAX_PROBE_BYTES:
+        raise ProtocolError(f"{where}: {(pad.dtype.name, pad.shape)} is not allowed; must be uint8 (n,), "
+                            f"n <= {MAX_PROBE_BYTES}")
+    return int(pad.size)
+
+
+def parse_probe(header: dict, arrays: dict) -> Probe:
+    """Validate a `probe`: id in 0..MAX_ROUND, reply_bytes in 0..MAX_PROBE_BYTES (a larger one is refused
+    before anything is allocated), padding at most MAX_PROBE_BYTES of uint8."""
+    pid = _field(header, "id", int, f"an integer in 0..{MAX_ROUND}", lo=0, hi=MAX_ROUND)
+    reply = _field(header, "reply_bytes", int, f"an integer in 0..{MAX_PROBE_BYTES} (bytes of the echo's padding)",
+                   lo=0, hi=MAX_PROBE_BYTES)
+    return Probe(pid, _pad(header, arrays), reply)
+
+
+def probe_echo(probe_id: int, pad=None, *, hold_s: float = 0.0) -> list:
+    """Device -> edge, not charged: the answer to `probe` `probe_id`, sent at once, with `pad` (uint8, the
+    probe's reply_bytes) and `hold_s`, the seconds the device held the probe (its own clock, a duration)."""
+    arrays = {} if pad is None else {"pad": pad}
+    return P.encode({"type": P.PROBE_ECHO, "id": int(probe_id), "hold_s": float(hold_s)}, arrays)
+
+
+@dataclass
+class ProbeEcho:
+    """A parsed `probe_echo`."""
+
+    id: int
+    pad_bytes: int
+    hold_s: float
+
+
+def parse_probe_echo(header: dict, arrays: dict) -> ProbeEcho:
+    """Validate a `probe_echo`: id in 0..MAX_ROUND, hold_s finite seconds >= 0 (missing: 0), padding at most
+    MAX_PROBE_BYTES of uint8."""
+    pid = _field(header, "id", int, f"an integer in 0..{MAX_ROUND}", lo=0, hi=MAX_ROUND)
+    hold = _field(header, "hold_s", float, f"finite seconds in [0, {MAX_SECONDS:g}]", optional=True, lo=0.0,
+                  hi=MAX_SECONDS)
+    return ProbeEcho(pid, _pad(header, arrays), hold or 0.0)

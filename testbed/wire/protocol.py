@@ -208,6 +208,8 @@ def _dumps(body: Any, what: str) -> bytes:
         where = _nonfinite_path(body)
         detail = f"{what}{where}: a non-finite number" if where is not None else f"{what}: {exc}"
         raise ProtocolError(f"{detail} cannot be sent as strict JSON") from None
+    if _canonical_match(raw) is not None:
+        return raw  # the text of a round's own header: what the checks below would pass (see `_canonical`)
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"{what} of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
     depth = _nesting_depth(raw)
@@ -246,7 +248,11 @@ def encode_header(header: dict[str, Any]) -> bytes:
 
 def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     """The guarded header decode every node uses (edge, device, emulator): strict JSON (`parse_json`), an
-    object with ``v`` == PROTOCOL_VERSION and a short string ``type``; anything else is a ProtocolError."""
+    object with ``v`` == PROTOCOL_VERSION and a short string ``type``; anything else is a ProtocolError.
+    A round's own headers as `encode_header` writes them take a shortcut to the same dict (`_canonical`)."""
+    header = _canonical(frame)
+    if header is not None:
+        return header
     header = parse_json(frame, what="header")
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
@@ -257,6 +263,78 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     if not isinstance(kind, str) or not 0 < len(kind) <= MAX_TYPE_CHARS:
         raise ProtocolError(f"header has no string field 'type' of 1-{MAX_TYPE_CHARS} characters: {show(kind)}")
     return header
+
+
+# --- the hot headers' shortcut --------------------------------------------------------------------------
+# Every round each device gets a schedule and a verdict and sends a draft and a report; their strict parse
+# costs more than all the rest of their handling. As `encode_header` writes them (compact, the builders' keys
+# in their order, `testbed.wire.messages`), they match these patterns: non-negative integers of at most 18
+# digits, numbers of at most 16 integer digits and a 2-digit exponent (finite), fixed strings, no escapes. A
+# text that matches is JSON `parse_json` accepts, and the dict built from it is the one it returns (the same
+# keys in the same order, int for an integer literal, float() of any other number, as json does); any other
+# text (an emulator's annotation, a link reading, a top-k upload, a peer's own spelling) takes the strict way.
+_INT = rb"(0|[1-9][0-9]{0,17})"
+_NUM = rb"(-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]{1,25})?(?:[eE][-+]?[0-9]{1,2})?)"
+_CANONICAL = {
+    b"schedule": re.compile(rb'\{"v":1,"type":"schedule","round":' + _INT + rb',"mode":"(UL|DL)","draft_len":' + _INT
+                            + rb',"ul_power_w":' + _NUM + rb',"dl_power_w":' + _NUM + rb',"deadline_s":' + _NUM
+                            + rb'(?:,"topk":' + _INT + rb')?\}'),
+    b"verdict": re.compile(rb'\{"v":1,"type":"verdict","air":"dl","round":' + _INT + rb',"n_accepted":' + _INT
+                           + rb',"token":(?:null|' + _INT + rb')\}'),
+    b"report": re.compile(rb'\{"v":1,"type":"report","round":' + _INT + rb',"token":' + _INT + rb',"n_accepted":'
+                          + _INT + rb',"timings":\{"correction_s":' + _NUM + rb'\},"dl_channel":null\}'),
+    b"draft": re.compile(rb'\{"v":1,"type":"draft","air":"ul","round":' + _INT + rb',"mode":"(UL|DL)","last_token":'
+                         + _INT + rb',"timings":\{"draft_s":' + _NUM + rb',"compute_s":' + _NUM
+                         + rb',"emulated_extra_s":' + _NUM + rb',"compute_scale":' + _NUM + rb'\}(?:,"topk":' + _INT
+                         + rb')?,"arrays":\[\{"name":"tokens","dtype":"int32","shape":\[' + _INT
+                         + rb'\]\},\{"name":"(q|q_at)","dtype":"(float16|float32|float64)","shape":\[' + _INT
+                         + rb'(?:,' + _INT + rb')?\]\}\]\}'),
+}
+_CANONICAL_PREFIX = b'{"v":1,"type":"'
+
+
+def _number(text: bytes) -> int | float:
+    return float(text) if b"." in text or b"e" in text or b"E" in text else int(text)
+
+
+def _canonical_match(data: bytes) -> tuple[bytes, re.Match] | None:
+    """(type, match) when `data` is a canonical schedule, draft, verdict or report (see above), else None."""
+    if len(data) > 1024 or not data.startswith(_CANONICAL_PREFIX):
+        return None
+    kind = data[15:data.find(b'"', 15)]
+    pattern = _CANONICAL.get(kind)
+    m = pattern.fullmatch(data) if pattern is not None else None
+    return None if m is None else (kind, m)
+
+
+def _canonical(frame) -> dict[str, Any] | None:
+    """The header of a canonical schedule, draft, verdict or report (see above), else None."""
+    found = _canonical_match(frame if isinstance(frame, bytes) else bytes(frame))
+    if found is None:
+        return None
+    kind, m = found
+    g = m.groups()
+    if kind == b"schedule":
+        h = {"v": 1, "type": "schedule", "round": int(g[0]), "mode": g[1].decode(), "draft_len": int(g[2]),
+             "ul_power_w": _number(g[3]), "dl_power_w": _number(g[4]), "deadline_s": _number(g[5])}
+        if g[6] is not None:
+            h["topk"] = int(g[6])
+        return h
+    if kind == b"verdict":
+        return {"v": 1, "type": "verdict", "air": "dl", "round": int(g[0]), "n_accepted": int(g[1]),
+                "token": None if g[2] is None else int(g[2])}
+    if kind == b"report":
+        return {"v": 1, "type": "report", "round": int(g[0]), "token": int(g[1]), "n_accepted": int(g[2]),
+                "timings": {"correction_s": _number(g[3])}, "dl_channel": None}
+    h = {"v": 1, "type": "draft", "air": "ul", "round": int(g[0]), "mode": g[1].decode(), "last_token": int(g[2]),
+         "timings": {"draft_s": _number(g[3]), "compute_s": _number(g[4]), "emulated_extra_s": _number(g[5]),
+                     "compute_scale": _number(g[6])}}
+    if g[7] is not None:
+        h["topk"] = int(g[7])
+    shape = [int(g[11])] if g[12] is None else [int(g[11]), int(g[12])]
+    h["arrays"] = [{"name": "tokens", "dtype": "int32", "shape": [int(g[8])]},
+                   {"name": g[9].decode(), "dtype": g[10].decode(), "shape": shape}]
+    return h
 
 
 def annotate_header(frame: bytes | memoryview, **fields: Any) -> bytes:
@@ -288,6 +366,12 @@ VERDICT = "verdict"
 REPORT = "report"
 BYE = "bye"
 HEARTBEAT = "heartbeat"  # either way, when a peer has sent nothing else for one heartbeat period
+PROBE = "probe"            # edge -> device: a rate probe of a real link (`channel.measure_links`)
+PROBE_ECHO = "probe_echo"  # device -> edge: its answer, sent at once
+# The padding a probe or echo may carry either way, and the reply a probe may ask for: a device allocates
+# at most this for its echoes, whatever the edge asks (here, not in messages.py: profiles check against it
+# without importing numpy).
+MAX_PROBE_BYTES = 16 * 2**20
 # A one-frame marker a sender puts before a large payload so the emulator starts its air time when the
 # transfer starts (not when the last byte arrives).
 TX_START = "tx_start"
@@ -388,8 +472,15 @@ def _buffer(frame) -> memoryview:
 
 # --- on-air precision -------------------------------------------------------------------------------
 
+_WIRE_NAMES: dict = {}  # bits -> dtype name, of the precisions asked for so far (called for every message)
+
+
 def wire_dtype(bits_per_prob: int) -> str:
     """The numpy dtype that carries probabilities on the air (b_p of the spec)."""
+    try:
+        return _WIRE_NAMES[bits_per_prob]
+    except (KeyError, TypeError):  # not asked for yet, or unhashable (refused below)
+        pass
     import numpy as np
 
     from testbed.core.sampling import WIRE_DTYPES
@@ -401,7 +492,8 @@ def wire_dtype(bits_per_prob: int) -> str:
     if not known:
         raise ProtocolError(f"bits_per_prob {show(bits_per_prob)} is not allowed on the wire; allowed: "
                             f"{', '.join(map(str, sorted(WIRE_DTYPES)))}")
-    return np.dtype(WIRE_DTYPES[bits_per_prob]).name
+    name = _WIRE_NAMES[bits_per_prob] = np.dtype(WIRE_DTYPES[bits_per_prob]).name
+    return name
 
 
 def to_wire(wire_rows, bits_per_prob: int, on_air_vocab: int | None = None):
@@ -435,7 +527,9 @@ def from_wire(arr, vocab_size: int, *, name: str = "distribution", check_padding
         raise ProtocolError(f"{name} has {arr.shape[-1]} entries, fewer than the vocabulary {vocab_size}")
     if check_padding and arr.shape[-1] > vocab_size and np.any(arr[..., vocab_size:]):
         raise ProtocolError(f"{name} has non-zero mass beyond the vocabulary size {vocab_size}")
-    rows = arr[..., :vocab_size]  # stripped before normalising: the sender normalised over V entries
+    # Stripped before normalising (the sender normalised over V entries); one float64 copy serves the check
+    # and exact_from_wire (which takes a float64 C-ordered array as it is: the same values, the same rows).
+    rows = np.ascontiguousarray(arr[..., :vocab_size], dtype=np.float64)
     check_probs(name, rows)
     return exact_from_wire(rows)
 
@@ -445,13 +539,16 @@ def check_probs(name: str, rows, *, tol: float = PROB_SUM_TOLERANCE) -> None:
     import numpy as np
 
     rows = np.asarray(rows, dtype=np.float64)
-    if not np.all(np.isfinite(rows)):
+    if not rows.size:
+        return
+    sums = rows.sum(axis=-1)
+    # A NaN or an infinity makes its row's sum non-finite: the element-wise pass only then.
+    if not np.isfinite(sums).all() and not np.isfinite(rows).all():
         raise ProtocolError(f"{name}: contains NaN or infinite values")
-    if np.any(rows < 0):
+    if rows.min() < 0:
         raise ProtocolError(f"{name}: contains negative probabilities")
-    if rows.size:
-        err = np.abs(rows.sum(axis=-1) - 1.0).reshape(-1)
-        worst = int(np.argmax(err))
-        if err[worst] > tol:
-            total = float(rows.reshape(-1, rows.shape[-1])[worst].sum())
-            raise ProtocolError(f"{name}: row {worst} sums to {total:.6g}; each row must sum to 1 within {tol}")
+    err = np.abs(sums - 1.0).reshape(-1)
+    worst = int(np.argmax(err))
+    if err[worst] > tol:
+        total = float(rows.reshape(-1, rows.shape[-1])[worst].sum())
+        raise ProtocolError(f"{name}: row {worst} sums to {total:.6g}; each row must sum to 1 within {tol}")

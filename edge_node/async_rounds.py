@@ -273,7 +273,8 @@ class AsyncRounds:
 
     # -- a cycle ends ----------------------------------------------------------------------------
     def _close(self, name: str, *, late: bool) -> None:
-        """Record the cycle (flushed and fsynced), feed the controller, and make way for the next one."""
+        """Record the cycle (written at once; fsynced with the others at most once a second), feed the
+        controller, and make way for the next one."""
         srv = self.srv
         c, cur = self.open.pop(name), srv.cycles[name]
         o = c.outcome

@@ -1,4 +1,5 @@
-"""The run directory: metadata, one JSON line per round (flushed and fsynced), outputs and a summary.
+"""The run directory: metadata, one JSON line per round (written at once, fsynced at most once a second),
+outputs and a summary.
 
 Layout of ``runs/<stamp>/``:
   meta.json       profile snapshot, git revision, package versions, host, channel mode, start time, pid;

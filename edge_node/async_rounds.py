@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import zmq
 
 from edge_node.server import RoundInFlight
 from testbed.controller import DeviceOutcome, RoundPlan, channel_links, round_record
@@ -95,7 +94,7 @@ class AsyncRounds:
                     break
                 srv.poll(self._until(), stop=self._has_work)
                 srv._free_since = time.monotonic()  # what the drain reads now was queued while the edge was busy
-                self._drain()
+                srv.drain(mark_free=False)  # all queued now: the next batch holds every draft that has arrived
                 self._expire(time.monotonic())
                 self._verify_ready()
                 self._close_reported()
@@ -103,15 +102,6 @@ class AsyncRounds:
             srv._in_round = False
         return self.records
 
-    def _drain(self) -> None:
-        """Read every message already queued: the next batch holds every draft that has arrived."""
-        srv = self.srv
-        while True:
-            try:
-                frames = srv.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            srv._dispatch(frames, time.monotonic())
 
     def _ready(self, now: float) -> list[str]:
         """Devices that can start a cycle now: a live session, no cycle in flight, cycles left, no correction
@@ -283,13 +273,7 @@ class AsyncRounds:
             if late:
                 o.report_late = True  # unconfirmed: the record credits none of its tokens
             else:
-                t_end, rep = cur.reports[name]
-                o.dl_channel, o.correction_s = rep.dl_channel, rep.timings.get("correction_s")
-                o.report_s = t_end - o.t_verdict
-                if srv.links is not None and name not in cur.reports_waited:  # as `EdgeServer._collect_reports`
-                    entry = srv.links.observe(name, "dl", o.dl_bytes, o.report_s - (o.correction_s or 0.0), t=t_end)
-                    o.link = {**(o.link or {}), "dl": entry}
-                    srv.publish_link_rates([name])
+                t_end = srv._take_report(cur, name, o)
         rec = self._record(c, cur, t_end)
         if o is not None and not late:
             srv.controller.observe_round(rec["measured"]["round_s"], rec["predicted"]["round_s"],

@@ -298,15 +298,8 @@ class EdgeServer:
             self._free_since = time.monotonic()
             if not self.sock.poll(max(1, int(wait * 1000))):
                 continue
-            while True:
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._dispatch(frames, time.monotonic())
-                self._free_since = time.monotonic()
-                if stop is not None and stop():
-                    return
+            if self.drain(stop):
+                return
 
     # -- one message -----------------------------------------------------------------------------
     def _dispatch(self, frames: list, t_arr: float) -> None:
@@ -580,6 +573,20 @@ class EdgeServer:
                 cur.reports_waited.add(name)
         self._take_link(name, rep.link, time.monotonic() if t_arr is None else t_arr)
 
+    def drain(self, stop=None, mark_free: bool = True) -> bool:
+        """Handle every message already queued (until `stop()` is true); returns whether it stopped. With
+        `mark_free`, the edge counts as free again after each message (what was read late is told apart)."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            self._dispatch(frames, time.monotonic())
+            if mark_free:
+                self._free_since = time.monotonic()
+            if stop is not None and stop():
+                return True
+
     def publish_link_rates(self, names: list[str]) -> None:
         """The measured link rates the controller plans `names` with, and their sources (rounds, probe, model)."""
         for name in names:
@@ -817,15 +824,21 @@ class EdgeServer:
             if name not in cur.reports:
                 o.report_late = True  # unconfirmed: the record credits none of its tokens
                 continue
-            t_report, rep = cur.reports[name]
-            o.dl_channel, o.correction_s = rep.dl_channel, rep.timings.get("correction_s")
-            o.report_s = t_report - o.t_verdict
-            if self.links is not None and name not in cur.reports_waited:
-                # verdict sent -> report here, minus the device's correction: the one-way trips (+ the verdict)
-                entry = self.links.observe(name, "dl", o.dl_bytes, o.report_s - (o.correction_s or 0.0), t=t_report)
-                o.link = {**(o.link or {}), "dl": entry}
-                self.publish_link_rates([name])
+            self._take_report(cur, name, o)
         return t_end
+
+    def _take_report(self, cur: RoundInFlight, name: str, o: DeviceOutcome) -> float:
+        """A device's report into its outcome (correction time, DL annotation, report time) and, on a measured
+        link, the DL sample it gives; returns when the report arrived. Both round loops close a device so."""
+        t_report, rep = cur.reports[name]
+        o.dl_channel, o.correction_s = rep.dl_channel, rep.timings.get("correction_s")
+        o.report_s = t_report - o.t_verdict
+        if self.links is not None and name not in cur.reports_waited:
+            # verdict sent -> report here, minus the device's correction: the one-way trips (+ the verdict)
+            entry = self.links.observe(name, "dl", o.dl_bytes, o.report_s - (o.correction_s or 0.0), t=t_report)
+            o.link = {**(o.link or {}), "dl": entry}
+            self.publish_link_rates([name])
+        return t_report
 
     # close and record
     def _close_round(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome], verify_s: float | None,

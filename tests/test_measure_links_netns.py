@@ -24,6 +24,25 @@ UL_BPS = 8e6
 MSS = 1448  # TCP payload per 1514-byte frame (14 Ethernet + 20 IP + 32 TCP with timestamps): what tbf counts
 
 
+def _profile(micro_pair, name: str, seed: int, rounds: int, policy: str = "proposed", deadline_s: float = 20.0,
+             scenario: dict | None = None, **extra) -> dict:
+    """One device `d0` of the micro pair on a real link (passthrough, measured); the scenario's fields
+    (`scenario`) over the shared defaults."""
+    return {
+        "name": name, "deployment": "lan", "security": "insecure", "seed": seed, "rounds": rounds,
+        "policy": policy, "deadline_s": deadline_s, "wait_for_devices_s": 90,
+        "prompts": ["def parse(text):"], "on_air_vocab_size": 151936,
+        "model": {"pair": "local", "target": str(micro_pair.target_dir), "draft_onnx": str(micro_pair.draft_onnx),
+                  "tokenizer": str(micro_pair.tokenizer), "threads": 1},
+        "channel": {"mode": "passthrough", "measure_links": True, "state": {"source": "model", "fading": "none"}},
+        "scenario": {"bits_per_prob": 16, "max_draft_len": 4, "uplink_bandwidth_hz": 3e6,
+                     "downlink_bandwidth_hz": 3e6, "downlink_power_w": 0.2,
+                     "devices": [{"name": "d0", "distance_m": 150, "draft_time_s": 0.001, "acceptance": 0.6}],
+                     **(scenario or {})},
+        **extra,
+    }
+
+
 @pytest.fixture
 def veth():
     try:
@@ -43,33 +62,15 @@ def test_the_edge_estimates_a_tbf_limited_uplink_from_a_live_run(micro_pair, vet
         TcShaper(veth.if_b, netns=veth.ns_b, qdisc="tbf").set_rate(UL_BPS)  # the device's egress: its uplink
     except (TcUnavailable, RuntimeError) as exc:
         pytest.skip(f"tc tbf is not available here: {exc}")
-    edge_ep = f"tcp://{veth.addr_a}:5555"
-    profile = {
-        "name": "measured-link", "deployment": "lan", "security": "insecure", "seed": 5, "rounds": 30,
-        # random modes: UL-mode uploads (304 kB per drafted token) and DL-mode ones (hundreds of bytes) in one run,
-        # the spread of sizes a slope needs
-        "policy": "random-modes", "deadline_s": 10.0, "wait_for_devices_s": 90,
-        "prompts": ["def parse(text):"], "on_air_vocab_size": 151936,
-        "model": {"pair": "local", "target": str(micro_pair.target_dir), "draft_onnx": str(micro_pair.draft_onnx),
-                  "tokenizer": str(micro_pair.tokenizer), "threads": 1},
-        "channel": {"mode": "passthrough", "measure_links": True, "state": {"source": "model", "fading": "none"}},
-        "scenario": {"bits_per_prob": 16, "max_draft_len": 6, "uplink_bandwidth_hz": 2e6,
-                     "downlink_bandwidth_hz": 3e6, "downlink_power_w": 1.0,
-                     "devices": [{"name": "d0", "distance_m": 150, "draft_time_s": 0.001, "acceptance": 0.6}]},
-    }
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    runs = tmp_path / "runs"
-    edge = subprocess.Popen(veth.exec_args(veth.ns_a, sys.executable, "-m", "testbed.cli", "edge", "--profile",
-                                           str(path), "--bind", edge_ep, "--runs-dir", str(runs), "--quiet"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    device = subprocess.Popen(veth.exec_args(veth.ns_b, sys.executable, "-m", "testbed.cli", "device", "--connect",
-                                             edge_ep, "--name", "d0", "--draft", str(micro_pair.draft_onnx)),
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # random modes: UL-mode uploads (304 kB per drafted token) and DL-mode ones (hundreds of bytes) in one run,
+    # the spread of sizes a slope needs
+    profile = _profile(micro_pair, "measured-link", 5, 30, policy="random-modes", deadline_s=10.0,
+                       scenario={"max_draft_len": 6, "uplink_bandwidth_hz": 2e6, "downlink_power_w": 1.0})
+    edge, device, runs = _start(veth, profile, tmp_path, micro_pair)
     try:
         out, _ = edge.communicate(timeout=300)
         assert edge.returncode == 0, out
-        device.wait(timeout=30)
+        device.communicate(timeout=30)
     finally:
         for p in (edge, device):
             if p.poll() is None:
@@ -143,22 +144,11 @@ def test_the_optimizer_moves_a_device_between_modes_when_the_tbf_limit_changes_m
     except (TcUnavailable, RuntimeError) as exc:
         pytest.skip(f"tc tbf is not available here: {exc}")
     switch_at, rounds = 25, 60
-    profile = {
-        "name": "mode-switch", "deployment": "lan", "security": "insecure", "seed": 7, "rounds": rounds,
-        "policy": "proposed", "deadline_s": 20.0, "wait_for_devices_s": 90,
-        # TCP's window from the fast phase overflows tbf's queue when the limit drops: retransmission
-        # timeouts then hold a message for seconds, longer than the default 5 s liveness window.
-        "heartbeat_s": 1.0, "liveness": 20,
-        "prompts": ["def parse(text):"], "on_air_vocab_size": 151936,
-        "model": {"pair": "local", "target": str(micro_pair.target_dir), "draft_onnx": str(micro_pair.draft_onnx),
-                  "tokenizer": str(micro_pair.tokenizer), "threads": 1},
-        "channel": {"mode": "passthrough", "measure_links": True, "state": {"source": "model", "fading": "none"}},
-        # The modeled (Shannon) rates stand in for a direction not measured yet: ~30 Mbit/s either way, between
-        # the two limits. A DL-mode verdict carries one distribution, a UL-mode upload one per drafted token.
-        "scenario": {"bits_per_prob": 16, "max_draft_len": 4, "uplink_bandwidth_hz": 3e6,
-                     "downlink_bandwidth_hz": 3e6, "downlink_power_w": 0.2,
-                     "devices": [{"name": "d0", "distance_m": 150, "draft_time_s": 0.001, "acceptance": 0.6}]},
-    }
+    # TCP's window from the fast phase overflows tbf's queue when the limit drops: retransmission timeouts
+    # then hold a message for seconds, longer than the default 5 s liveness window. The modeled (Shannon)
+    # rates (3 MHz: ~30 Mbit/s either way, between the two limits) stand in for a direction not measured
+    # yet. A DL-mode verdict carries one distribution, a UL-mode upload one per drafted token.
+    profile = _profile(micro_pair, "mode-switch", 7, rounds, heartbeat_s=1.0, liveness=20)
     # One more run when the swap itself stalled the connection: about 1 run in 6, whatever the queue, TCP held
     # the verdict in flight at the swap for over 20 s (the liveness window), and the device left. That is the
     # harness (a qdisc replaced under a transfer), not the estimates or the plan this test is about.
@@ -222,17 +212,7 @@ def test_the_registration_probes_measure_both_tbf_limited_directions_before_the_
         TcShaper(veth.if_a, netns=veth.ns_a, qdisc="tbf").set_rate(dl_bps, latency_s=0.2)  # the edge's egress
     except (TcUnavailable, RuntimeError) as exc:
         pytest.skip(f"tc tbf is not available here: {exc}")
-    profile = {
-        "name": "probed-link", "deployment": "lan", "security": "insecure", "seed": 3, "rounds": 2,
-        "policy": "proposed", "deadline_s": 20.0, "wait_for_devices_s": 90,
-        "prompts": ["def parse(text):"], "on_air_vocab_size": 151936,
-        "model": {"pair": "local", "target": str(micro_pair.target_dir), "draft_onnx": str(micro_pair.draft_onnx),
-                  "tokenizer": str(micro_pair.tokenizer), "threads": 1},
-        "channel": {"mode": "passthrough", "measure_links": True, "state": {"source": "model", "fading": "none"}},
-        "scenario": {"bits_per_prob": 16, "max_draft_len": 4, "uplink_bandwidth_hz": 3e6,
-                     "downlink_bandwidth_hz": 3e6, "downlink_power_w": 0.2,
-                     "devices": [{"name": "d0", "distance_m": 150, "draft_time_s": 0.001, "acceptance": 0.6}]},
-    }
+    profile = _profile(micro_pair, "probed-link", 3, 2)
     edge, device, runs = _start(veth, profile, tmp_path, micro_pair)
     try:
         out, _ = edge.communicate(timeout=300)

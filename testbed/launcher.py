@@ -383,11 +383,12 @@ def load_tokenizer(path: str):
 
 
 def require_edge_extra() -> None:
-    """The edge runs the PyTorch target: without the [edge] extra, say what to install (no import traceback)."""
+    """The edge runs the PyTorch target: on a device-only install, say what to install (no import traceback)."""
     missing = [m for m in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
     if missing:
         raise TestbedError(f"the edge needs {', '.join(missing)}, not installed here; "
-                           "install them with: pip install 'multispin-testbed[edge]'")
+                           "this looks like a device-only install; install the whole testbed: "
+                           "pip install multispin-testbed (or pip install . in the clone)")
 
 
 # --- the live run --------------------------------------------------------------------------------------

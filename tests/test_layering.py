@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
 import sys
 from pathlib import Path
 
@@ -97,3 +99,22 @@ def test_the_checker_sees_a_violation(tmp_path):
         "testbed/core/probe.py:2: imports testbed.launcher",
         "testbed/core/probe.py:3: imports testbed",
     ]
+
+
+# import name -> distribution, for the third-party modules a device may import
+DEVICE_DISTRIBUTIONS = {"numpy": "numpy", "yaml": "pyyaml", "zmq": "pyzmq", "onnxruntime": "onnxruntime",
+                        "pydantic": "pydantic", "tqdm": "tqdm"}
+
+
+def test_device_requirements_cover_what_a_device_imports():
+    def names(lines):
+        return {re.split(r"[<>=~!\[ ]", line.strip(), maxsplit=1)[0].lower() for line in lines
+                if line.strip() and not line.lstrip().startswith("#")}
+
+    device = names((ROOT / "requirements-device.txt").read_text().splitlines())
+    # the installed metadata is pyproject.toml's list (CI installs the clone fresh)
+    project = names(r for r in importlib.metadata.requires("multispin-testbed") if "extra ==" not in r)
+    assert device <= project and not device & {"torch", "transformers"}
+    third_party = {top(mod) for pkg in ("device_node", "testbed/wire") for path in (ROOT / pkg).rglob("*.py")
+                   for _, mod in imports_of(path)} - set(sys.stdlib_module_names) - {"testbed", "device_node"}
+    assert third_party and {DEVICE_DISTRIBUTIONS.get(m, m) for m in third_party} <= device

@@ -773,6 +773,7 @@ class FixedModes:
         self.scorer, self.ul, self.equal_power = scorer, np.asarray(ul, bool), equal_power
 
     def __call__(self, L, floor: float | None = None):
+        """Score draft-length vectors L (one per row) with the fixed modes: (G, T, ul)."""
         ul = np.broadcast_to(self.ul, np.shape(L))
         G, T = self.scorer.fixed(L, ul, equal_power=self.equal_power, floor=floor)
         return G, T, ul

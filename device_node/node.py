@@ -473,7 +473,7 @@ def run_from_args(args) -> ExitCode:
         try:
             keys = ClientKeys.load(args.keys)
         except SecurityError as exc:  # without keys the edge cannot even be told
-            print(f"device: error: --keys: {exc}", file=sys.stderr)
+            print(f"multispin device: error: --keys: {exc}", file=sys.stderr)
             return ExitCode.USAGE
     try:
         # A thread only for a real probe; a bad SPEC or period fails here, before the model loads.
@@ -482,7 +482,7 @@ def run_from_args(args) -> ExitCode:
         hardware = load_hardware(args.hardware)
         drafter = OnnxDrafter(args.draft, threads=hardware.threads)
     except (ValueError, FileNotFoundError) as exc:  # the message names the file, the profile or the SPEC
-        print(f"device: error: {exc}", file=sys.stderr)
+        print(f"multispin device: error: {exc}", file=sys.stderr)
         # The edge would otherwise wait for this device until its wait_for_devices_s.
         tell_edge(args.connect, args.name, f"device {args.name} cannot start: {exc}", keys,
                   wait_s=min(5.0, args.register_timeout))

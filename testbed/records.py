@@ -396,6 +396,8 @@ def _write_json(path: Path, obj: Any, fsync: bool = True) -> None:
 def iter_rounds(run_dir: str | Path) -> Iterator[dict]:
     """Round records; a torn last line (the run was killed mid-write) is skipped."""
     path = Path(run_dir) / "rounds.jsonl"
+    if not Path(run_dir).exists():
+        raise FileNotFoundError(f"{run_dir}: no such directory")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no round records (is {run_dir} a run directory?)")
     yield from _json_lines(path)

@@ -80,8 +80,9 @@ def plot_goodput(records: list[dict], path: Path, title: str | None = None) -> P
 
     rounds = [r["round"] for r in records]
     fig, ax = plt.subplots(figsize=(8, 4.4))
+    # Dashed: two grey lines of similar weight could not be told apart in print.
     ax.plot(rounds, [r["predicted"].get("goodput_tps") for r in records], label="predicted", color="tab:gray",
-            lw=1.4)
+            lw=1.4, ls="--")
     ax.plot(rounds, [r["measured"].get("goodput_tps") for r in records], label="measured", color="k", lw=0.8,
             alpha=0.6)
     # The measured points carry the round's modes: all UL, all DL, or a mix.

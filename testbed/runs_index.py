@@ -118,6 +118,7 @@ class RunInfo:
     stamp: str | None = None         # UTC start, "YYYY-MM-DD HH:MM:SS"
     profile: str | None = None
     policy: str | None = None
+    channel: str | None = None       # the channel mode: real, virtual or passthrough (times differ in meaning)
     seed: int | None = None
     status: str = "unknown"
     reason: str | None = None
@@ -162,7 +163,9 @@ def run_info(path: str | Path, label: str | None = None, fresh: bool = False) ->
         status = "died"  # meta.json still says running, but its process is gone (killed -9, power cut)
     measured, predicted = goodput_of(summary)
     return RunInfo(path=path, label=label or path.name, stamp=stamp, profile=prof.get("name"),
-                   policy=summary.get("policy") or prof.get("policy"), seed=prof.get("seed"), status=status,
+                   policy=summary.get("policy") or prof.get("policy"),
+                   channel=(prof.get("channel") or {}).get("mode") if isinstance(prof.get("channel"), dict) else None,
+                   seed=prof.get("seed"), status=status,
                    reason=meta.get("reason") or summary.get("reason"), rounds=int(summary.get("rounds") or 0),
                    rounds_planned=prof.get("rounds"), measured_tps=measured, predicted_tps=predicted,
                    summary=summary)
@@ -193,16 +196,16 @@ def format_runs_table(infos: list[RunInfo]) -> str:
     """The `multispin runs` table: one line per run, units in the header, reasons of unfinished runs below."""
     if not infos:
         return "no runs"
-    head = (f"{'started (UTC)':<20}{'profile':<14}{'policy':<20}{'status':<12}{'rounds':>9}"
+    head = (f"{'started (UTC)':<20}{'profile':<14}{'policy':<20}{'channel':<12}{'status':<12}{'rounds':>9}"
             f"{'measured':>10}{'predicted':>11}{'meas/pred':>10}  run")
-    units = f"{'':<20}{'':<14}{'':<20}{'':<12}{'done/plan':>9}{'[tok/s]':>10}{'[tok/s]':>11}{'':>10}"
+    units = f"{'':<20}{'':<14}{'':<20}{'':<12}{'':<12}{'done/plan':>9}{'[tok/s]':>10}{'[tok/s]':>11}{'':>10}"
     lines = [head, units]
     notes = []
     for i in infos:
         ratio = i.measured_tps / i.predicted_tps if i.measured_tps and i.predicted_tps else None
         rounds = f"{i.rounds}/{i.rounds_planned if i.rounds_planned is not None else '?'}"
         lines.append(f"{i.stamp or '-':<20}{(i.profile or '-')[:13]:<14}{(i.policy or '-')[:19]:<20}"
-                     f"{i.status[:11]:<12}{rounds:>9}{_num(i.measured_tps, '.2f'):>10}"
+                     f"{(i.channel or '-')[:11]:<12}{i.status[:11]:<12}{rounds:>9}{_num(i.measured_tps, '.2f'):>10}"
                      f"{_num(i.predicted_tps, '.2f'):>11}{_num(ratio, '.3f'):>10}  {i.path}")
         if i.status not in ("complete", "running") and (i.reason or i.status == "died"):
             notes.append(f"  {i.label}: {i.status}: {i.reason or 'its process is gone (meta.json says running)'}")

@@ -441,8 +441,7 @@ def run_rounds(s: LiveSession, progress: bool, on_round) -> list[dict]:
         save_progress(s, rec.get("round"))
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(tok=tokens, ul=rec["num_ul"], meas=f"{rec['measured']['goodput_tps'] or 0:.1f}",
-                            pred=f"{rec['predicted']['goodput_tps'] or 0:.1f}", refresh=False)
+            bar.set_postfix_str(progress_postfix(rec, tokens), refresh=False)
         if on_round is not None:
             on_round(rec, s.server, s.launcher)
 
@@ -451,6 +450,14 @@ def run_rounds(s: LiveSession, progress: bool, on_round) -> list[dict]:
     finally:
         if bar is not None:
             bar.close()
+
+
+def progress_postfix(rec: dict, tokens: int) -> str:
+    """The progress bar's text after a round: that round's goodput (not the run's), with units."""
+    what = "cycle" if rec.get("rounds") == "asynchronous" else "round"  # one device's cycle
+    meas, pred = rec["measured"].get("goodput_tps"), rec["predicted"].get("goodput_tps")
+    return (f"{what} goodput {meas or 0:.1f} meas / {pred or 0:.1f} pred tok/s, {tokens} tok, "
+            f"{rec.get('num_ul', 0)} UL")
 
 
 def run_from(server: EdgeServer, start: int, rounds: int, on_round) -> list[dict]:

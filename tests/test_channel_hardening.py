@@ -171,3 +171,98 @@ def test_a_senders_own_air_time_annotation_is_stripped(bench):
     ident, header, _ = b.edge.recv_multipart()
     assert ident == b"dev0" and decode_header(header)["channel"] is None
     assert b.proxy.counters["forged_annotation"] == 1
+
+
+def test_a_reaped_identity_leaves_nothing_behind_but_a_configured_links_stats(bench):
+    # A stream of new identities must not grow the emulator, nor the stats reply the edge reads every
+    # heartbeat (it grew ~190 bytes per identity ever seen, up to the reply's 16 MiB limit: the run failed).
+    b = bench(max_identities=3)
+    ctl = b.control()
+    ctl.configure(links={"keep": {"ul_rate_bps": 1e9, "dl_rate_bps": 1e9}})
+    for name in ["keep", *(f"x{i}" for i in range(12))]:
+        s = b.device(name)
+        s.send(encode_header({"type": "draft", "air": "ul"}))
+        assert b.edge.recv_multipart()[0] == name.encode()
+        s.close()
+    stats = ctl.stats()
+    assert b.proxy.counters["reaped"] == 10 and len(b.proxy.dealers) == 3
+    assert set(stats["links"]) == {"keep", "x9", "x10", "x11"}  # the configured link keeps its stats
+    assert len(b.proxy.last_seen) == len(b.proxy.allowance) == 3 and len(b.proxy.held_on_link) <= 6
+
+
+def test_refused_identities_keep_nothing_and_their_warnings_are_throttled(bench, caplog):
+    import logging
+
+    from channel_emulator.proxy import LOG_BURST
+
+    b = bench()
+    anon = b.sock(zmq.DEALER)  # no routing_id: refused, message by message
+    anon.connect(b.eps["front"])
+    with caplog.at_level(logging.WARNING, logger="channel_emulator.proxy"):
+        for _ in range(300):
+            anon.send(encode_header({"type": "noise"}))
+        deadline = time.monotonic() + 5
+        while b.proxy.counters["refused_identity"] < 300 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert b.proxy.counters["refused_identity"] == 300
+    assert not b.proxy.last_seen and not b.proxy.allowance and not b.proxy.dealers
+    lines = [r for r in caplog.records if "routing_id" in r.getMessage()]
+    assert LOG_BURST <= len(lines) <= 2 * LOG_BURST  # at most LOG_BURST a second
+
+
+def test_the_identity_cap_fits_the_open_file_limit(tmp_path):
+    # ZeroMQ aborts a process that runs out of files: with `ulimit -n 1024` the emulator died at ~450
+    # identities while its cap was 512 (3 files each). The cap now fits the limit the process has.
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from channel_emulator.proxy import FD_RESERVE, FDS_PER_IDENTITY, MAX_IDENTITIES, identity_budget
+    from testbed.launcher import child_env
+    from testbed.wire import messages as M
+
+    assert identity_budget(MAX_IDENTITIES, None) == MAX_IDENTITIES == identity_budget(MAX_IDENTITIES, 2**16)
+    assert identity_budget(MAX_IDENTITIES, 1024) == (1024 - FD_RESERVE) // FDS_PER_IDENTITY == 320
+    files = 256
+    cap = identity_budget(MAX_IDENTITIES, files)
+    eps = {k: f"ipc://{tmp_path}/{k}" for k in ("front", "edge", "ctl")}
+    ctx = zmq.Context()
+    edge = ctx.socket(zmq.ROUTER)
+    edge.setsockopt(zmq.LINGER, 0)
+    edge.bind(eps["edge"])
+    env = {k: v for k, v in child_env().items() if k != "MULTISPIN_CHANNEL_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "channel_emulator.proxy", "--frontend", eps["front"], "--edge", eps["edge"],
+         "--control", eps["ctl"]], stdout=open(tmp_path / "emu.log", "wb"), stderr=subprocess.STDOUT, env=env,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files)))
+    ctl = ChannelControl(eps["ctl"], timeout_s=10, context=ctx)
+    try:
+        ctl.stats()
+        for i in range(3 * cap):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.ROUTING_ID, f"id{i}".encode())
+            s.setsockopt(zmq.LINGER, 2000)
+            s.connect(eps["front"])
+            s.send_multipart(M.heartbeat())
+            s.close()
+            if i % 20 == 19:
+                while edge.poll(0):
+                    edge.recv_multipart()
+        deadline = time.monotonic() + 20
+        while (stats := ctl.stats())["counters"]["reaped"] < 2 * cap and time.monotonic() < deadline:
+            time.sleep(0.1)  # the emulator drains its backlog
+        assert proc.poll() is None, (tmp_path / "emu.log").read_text()[-2000:]
+        assert len(stats["devices"]) <= cap and stats["counters"]["reaped"] == 2 * cap
+        assert len(os.listdir(f"/proc/{proc.pid}/fd")) < files
+        assert f"identities capped at {cap}" in (tmp_path / "emu.log").read_text()
+    finally:
+        try:
+            ctl.stop()
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            ctl.close()
+            ctx.destroy(linger=0)

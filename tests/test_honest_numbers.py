@@ -203,7 +203,8 @@ def test_plan_json_and_table_use_the_record_names_with_units():
     assert d["round_s"] == d["round_time_s"] and d["uplink_phase_s"] == d["phases_s"]["uplink"]
     assert d["verify_s"] == d["phases_s"]["verify"] and d["downlink_phase_s"] == d["phases_s"]["downlink"]
     for x in d["devices"]:
-        assert x["ul_air_s"] == x["tx_s"] and x["uplink_phase_s"] == x["uplink_s"] and x["dl_air_s"] == x["downlink_s"]
+        # one vocabulary: the core's names (uplink_s = draft + air there, air only in records) are not shown
+        assert not {"tx_s", "uplink_s", "downlink_s"} & set(x) and x["dl_air_s"] >= 0
         assert x["uplink_phase_s"] == pytest.approx(x["draft_s"] + x["ul_air_s"])
     table = _multispin("plan", scen)
     assert table.returncode == 0, table.stderr

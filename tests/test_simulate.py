@@ -98,7 +98,7 @@ def test_plan_command_json_is_one_object(capsys):
     assert set(d["phases_s"]) == {"uplink", "verify", "downlink"}
     for dev in d["devices"]:
         assert {"name", "mode", "draft_len", "ul_power_w", "dl_power_w", "expected_tokens", "goodput_tps",
-                "uplink_s", "downlink_s"} <= set(dev)
+                "uplink_phase_s", "dl_air_s"} <= set(dev)
     assert d["goodput_tps"] == pytest.approx(sum(x["goodput_tps"] for x in d["devices"]))
     assert math.isclose(d["round_time_s"], sum(d["phases_s"].values()))
 

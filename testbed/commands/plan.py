@@ -13,7 +13,9 @@ def register(subparsers) -> None:
         "plan", help="plan one round (modes, draft lengths, powers) for a scenario",
         description="Plan one round for a scenario and print the predicted goodput and per-device schedule. "
                     "Policies: " + "; ".join(f"{k}: {v}" for k, v in POLICIES.items()))
-    p.add_argument("scenario", help="scenario YAML or a name in profiles/ (a run profile: its scenario: section)")
+    p.add_argument("scenario", nargs="?", default="emulation",
+                   help="scenario YAML or a name in profiles/ (a run profile: its scenario: section; "
+                        "default: emulation, the profile `multispin run` uses)")
     p.add_argument("--policy", default="proposed",
                    help=f"one of: {', '.join(POLICIES)} (default proposed); or a plug-in: the name of an installed "
                         "one (multispin plugins) or a Python path module:Class (docs/extending.md)")
@@ -35,12 +37,15 @@ DEVICE_ALIASES = {"ul_air_s": "tx_s", "uplink_phase_s": "uplink_s", "dl_air_s": 
 
 
 def with_vocabulary(d: dict) -> dict:
-    """The plan dict with the vocabulary's names added beside its own (seconds): per device ul_air_s,
-    uplink_phase_s, dl_air_s; per round uplink_phase_s, verify_s, downlink_phase_s, round_s."""
+    """The plan dict in the records' vocabulary (seconds): per device ul_air_s, uplink_phase_s, dl_air_s
+    replace the core's tx_s, uplink_s, downlink_s (whose `uplink_s` would clash with the records' legacy
+    `uplink_s`, the air time); per round uplink_phase_s, verify_s, downlink_phase_s, round_s beside
+    `phases_s` and `round_time_s`."""
     ph = d["phases_s"]
     out = {**d, "uplink_phase_s": ph["uplink"], "verify_s": ph["verify"], "downlink_phase_s": ph["downlink"],
            "round_s": d["round_time_s"]}
-    out["devices"] = [{**x, **{new: x[old] for new, old in DEVICE_ALIASES.items()}} for x in d["devices"]]
+    out["devices"] = [{**{k: v for k, v in x.items() if k not in DEVICE_ALIASES.values()},
+                       **{new: x[old] for new, old in DEVICE_ALIASES.items()}} for x in d["devices"]]
     return out
 
 

@@ -256,11 +256,12 @@ def summary_table(rows: list[dict]) -> str:
     lines = ["mean goodput, tokens/s (K* = mean UL devices of `proposed`)", head]
     for v, per in s.items():
         line = f"{v:>12g} " + "".join(f"{per[p][0]:>{width}.2f}" for p in policies)
-        k = per.get("proposed", (0, float("nan"), None))[1]
+        k = f"{per['proposed'][1]:.1f}" if "proposed" in per else "-"
         others = {p: per[p][0] for p in policies if p != "proposed"}
         best = max(others, key=others.get) if others else "-"
-        ratio = per["proposed"][0] / others[best] if "proposed" in per and others else float("nan")
-        line += f"{k:>7.1f}{best:>{width}}{ratio:>10.4f}"
+        # '-' where there is nothing to compare: no proposed, or no other policy (not "nan").
+        ratio = f"{per['proposed'][0] / others[best]:.4f}" if "proposed" in per and others and others[best] else "-"
+        line += f"{k:>7}{best:>{width}}{ratio:>10}"
         lines.append(line)
     if has_mc:
         lines.append("Monte Carlo goodput (token-level, realized DL set), tokens/s")

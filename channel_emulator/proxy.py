@@ -96,14 +96,44 @@ log = logging.getLogger("channel_emulator.proxy")
 MODES = ("real", "virtual")
 SHARED_DL = "*tdma*"  # the link key of the one shared DL link under tdma
 TOKEN_ENV = "MULTISPIN_CHANNEL_TOKEN"  # where a parent process hands the control token to the emulator
-MAX_IDENTITIES = 512     # one DEALER (one file descriptor) per identity: stay well below the fd limit
+MAX_IDENTITIES = 512     # one DEALER per identity: stay well below the fd limit (see `identity_budget`)
 IDLE_REAP_S = 600.0      # an identity silent this long loses its DEALER
+# Open files per identity: the device's connection to the frontend, its DEALER's connection and mailbox. ZeroMQ
+# aborts the process when it runs out of files, so the cap must fit the process's limit (ulimit -n, often 1024).
+FDS_PER_IDENTITY = 3
+FD_RESERVE = 64          # listeners, the control socket, ZeroMQ's own threads, the log, Python
+LOG_BURST = 20           # warnings about peers' messages a second; the rest are counted (a flood must not fill a disk)
 MAX_MSGS_PER_S = 2000.0  # per identity, averaged over a one-second burst
 MAX_CONTROL_REPLY_BYTES = 16 * 1024 * 1024  # stats of many links; still bounded
 
 
 class ConfigError(ValueError):
     pass
+
+
+def fd_limit(raise_soft: bool = False) -> int | None:
+    """This process's soft limit on open files (None: unlimited, or not POSIX); with `raise_soft`, first
+    raised to the hard limit (at most 2**16), as a process of its own may."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2**16 if hard == resource.RLIM_INFINITY else min(hard, 2**16)
+    if raise_soft and soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def identity_budget(max_identities: int, files: int | None) -> int:
+    """The identity cap that fits `files` open files (`FDS_PER_IDENTITY` each beyond `FD_RESERVE`)."""
+    if files is None:
+        return max_identities
+    return max(1, min(max_identities, (files - FD_RESERVE) // FDS_PER_IDENTITY))
 
 
 def _rate(field: str, value: Any) -> float | None:
@@ -174,6 +204,11 @@ class ChannelProxy:
         self.edge_keys = ClientKeys.for_name(keys_dir, CHANNEL_CLIENT) if keys_dir else None
         self.control_token = control_token
         self.max_identities, self.idle_reap_s = int(max_identities), float(idle_reap_s)
+        files = fd_limit()
+        if identity_budget(self.max_identities, files) < self.max_identities:
+            self.max_identities = identity_budget(self.max_identities, files)
+            log.warning("identities capped at %d: this process may open %d files (ulimit -n), %d per identity",
+                        self.max_identities, files, FDS_PER_IDENTITY)
         self.max_msgs_per_s = float(max_msgs_per_s)
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.frontend.setsockopt(zmq.LINGER, 0)
@@ -208,6 +243,7 @@ class ChannelProxy:
         self.last_seen: dict[bytes, float] = {}
         self.allowance: dict[bytes, tuple[float, float]] = {}                # ident -> (tokens, at)
         self._last_reap = time.monotonic()
+        self._log_window = [0.0, 0, 0]  # window start, lines logged, lines suppressed
         self.running = False
 
     # -- sockets -------------------------------------------------------------------------------------
@@ -218,11 +254,11 @@ class ChannelProxy:
                 # ZeroMQ reserves identities starting with a zero byte (auto-generated ones): the device did
                 # not set routing_id, so the edge could not address it by name.
                 self.counters["refused_identity"] += 1
-                log.warning("refusing peer without routing_id (identity %r); devices must set routing_id", ident)
+                self._warn("refusing peer without routing_id (identity %r); devices must set routing_id", ident)
                 return None
             if len(self.dealers) >= self.max_identities and not self._reap(time.monotonic(), need_one=True):
                 self.counters["identity_cap"] += 1
-                log.warning("refusing identity %r: %d identities are open (cap)", ident, len(self.dealers))
+                self._warn("refusing identity %r: %d identities are open (cap)", ident, len(self.dealers))
                 return None
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.ROUTING_ID, ident)
@@ -248,11 +284,36 @@ class ChannelProxy:
             self.dealer_ident.pop(sock, None)
             self.poller.unregister(sock)
             sock.close(linger=0)
-            self.last_seen.pop(ident, None)
-            self.allowance.pop(ident, None)
+            self._forget(ident)
             self.counters["reaped"] += 1
             log.info("device %r: closed its idle DEALER", ident)
         return bool(victims)
+
+    def _forget(self, ident: bytes) -> None:
+        """Drop what is kept per identity (it holds no message): a stream of new identities must not grow the
+        emulator, nor its `stats` reply (the edge reads it every heartbeat). A configured link keeps its stats."""
+        self.last_seen.pop(ident, None)
+        self.allowance.pop(ident, None)
+        for direction in ("ul", "dl"):
+            for table in (self.held_on_link, self.link_release, self.markers, self.free_at):
+                table.pop((direction, ident), None)
+        name = ident.decode("utf-8", "replace")
+        if name not in self.config["links"]:
+            self.stats.pop((name, "ul"), None)
+            self.stats.pop((name, "dl"), None)
+
+    def _warn(self, msg: str, *args) -> None:
+        """A warning about a peer's message, at most LOG_BURST a second (the rest are counted, then said)."""
+        now = time.monotonic()
+        if now - self._log_window[0] >= 1.0:
+            if self._log_window[2]:
+                log.warning("%d more warnings about peers' messages were not logged", self._log_window[2])
+            self._log_window = [now, 0, 0]
+        if self._log_window[1] < LOG_BURST:
+            self._log_window[1] += 1
+            log.warning(msg, *args)
+        else:
+            self._log_window[2] += 1
 
     def _within_rate(self, ident: bytes, now: float) -> bool:
         """Token bucket per identity: `max_msgs_per_s`, with a burst of one second's worth."""
@@ -272,12 +333,14 @@ class ChannelProxy:
             why = check_identity(ident.decode("utf-8", "replace"), frames[1])
             if why is not None:
                 self.counters["impersonation"] += 1
-                log.warning("dropped a message from identity %r: %s", ident, why)
+                self._warn("dropped a message from identity %r: %s", ident, why)
                 return
         if not self._within_rate(ident, t_arr):
             return
         self.last_seen[ident] = t_arr
         self._handle("ul", ident, frames[1:], t_arr)
+        if ident not in self.dealers:  # refused (no routing id, the cap): it keeps nothing here
+            self._forget(ident)
 
     # -- message handling ----------------------------------------------------------------------------
     def _handle(self, direction: str, ident: bytes, body: list, t_arr: float) -> None:
@@ -416,7 +479,7 @@ class ChannelProxy:
             who = check_identity(EDGE_CLIENT, frame)
             if who is not None:
                 self.counters["control_refused"] += 1
-                log.warning("refused a control request: %s", who)
+                self._warn("refused a control request: %s", who)
                 return {"ok": False, "error": "only the edge may use the control socket"}
         try:
             msg = decode_header(frame.bytes)
@@ -425,7 +488,7 @@ class ChannelProxy:
         if self.control_token is not None and not hmac.compare_digest(
                 str(msg.get("token", "")).encode(), self.control_token.encode()):
             self.counters["control_refused"] += 1
-            log.warning("refused a control request without the right token")
+            self._warn("refused a control request without the right token")
             return {"ok": False, "error": "control request refused: missing or wrong token"}
         kind = msg.get("type")
         if kind == "configure":
@@ -498,7 +561,7 @@ class ChannelProxy:
                 self._handle("dl", self.dealer_ident[sock], frames, t_arr)
         except Exception as exc:  # noqa: BLE001 - a message must never stop the emulator
             self.counters["errors"] += 1
-            log.warning("dropped a message that failed to forward: %s: %s", type(exc).__name__, exc)
+            self._warn("dropped a message that failed to forward: %s: %s", type(exc).__name__, exc)
 
     def close(self) -> None:
         for sock in [self.frontend, self.control, *self.dealers.values()]:
@@ -516,6 +579,7 @@ def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: st
     if log_level:
         logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = control_token if control_token is not None else os.environ.get(TOKEN_ENV) or None
+    fd_limit(raise_soft=True)  # a process of its own: as many identities as the host allows, up to MAX_IDENTITIES
     ChannelProxy(frontend_bind, edge_connect, control_bind, mode=mode, spin_s=spin_s,
                  marker_ttl_s=marker_ttl_s, keys_dir=keys_dir, control_token=token).run()
 

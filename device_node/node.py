@@ -326,8 +326,11 @@ class DeviceNode:
             held = self.pending[0].round
             self._abandon_round()
             self.dropped_messages += 1
-            log.error("%s: refused the schedule of round %d: the draft of round %d is unverified; round %d "
-                      "dropped", self.name, sched.round, held, held)
+            why = (f"refused the schedule of round {sched.round}: the draft of round {held} is unverified; round "
+                   f"{held} dropped")
+            log.error("%s: %s", self.name, why)
+            # Said to the edge at once: its round need not wait the deadline for a draft that will not come.
+            self._send(M.error(why, round_index=sched.round))
             return
         generator = self._draft_generator(sched.round)
         t0 = time.perf_counter()

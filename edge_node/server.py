@@ -376,10 +376,18 @@ class EdgeServer:
 
     def _on_device_error(self, name: str, header: dict) -> None:
         """A device says why it cannot take part (e.g. its model does not load): keep and print the reason;
-        a fatal one ends its session. Not answered: the device is on its way out."""
+        a fatal one ends its session. A non-fatal one naming the round in flight (e.g. a schedule refused over
+        an unverified draft) ends the device's part of that round at once. Not answered."""
         err = M.parse_error(header)
         if name not in self.known:
             raise Refusal("unknown_device", "error from a device that is not part of this run")
+        s, cur = self.sessions.get(name), self._round_of(name)
+        if (not err.fatal and err.round is not None and s is not None and cur is not None
+                and err.round == cur.index and cur.sids.get(name) == s.sid):
+            log.warning("%s: round %d: %s", name, cur.index, err.message)
+            if cur.awaits_draft(name):
+                cur.given_up[name] = f"the device refused the round: {P.show(err.message, 200)}"
+            return
         self.device_errors[name] = err.message
         log.error("%s: cannot take part: %s", name, err.message)
         if err.fatal and name in self.sessions:

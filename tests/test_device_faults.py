@@ -158,6 +158,9 @@ def test_device_survives_garbage_and_a_schedule_over_an_unverified_draft(micro_p
         edge.send(M.schedule(2, "DL", 3, 0.2, 0.0, 5.0))
         edge.send(M.verdict(1, 0, 4))  # round 1 was dropped on the device: refused too
         edge.send(M.schedule(3, "DL", 3, 0.2, 0.0, 5.0))
+        # The refusal is said to the edge at once (its round need not wait for the deadline).
+        h, _ = edge.recv(skip=(P.HEARTBEAT, P.TX_START))
+        assert h["type"] == "error" and h["round"] == 2 and not h["fatal"] and "unverified" in h["message"]
         h, _ = next_draft(edge, 3)
         assert h["last_token"] == token and h["mode"] == "DL"
         edge.send(M.dropped(3, "test"))

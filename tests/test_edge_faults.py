@@ -72,7 +72,8 @@ class ScriptedDevice(threading.Thread):
     """A device speaking the protocol without a model: drafts token 1 with a uniform q.
 
     behaviour: "honest"; "bad_draft" (every draft has the wrong mode: refused); "no_report" (never reports);
-    "forge" (claims a channel annotation and odd timings in its drafts).
+    "forge" (claims a channel annotation and odd timings in its drafts); "refuse_schedule" (answers every
+    schedule with a non-fatal error naming its round).
     """
 
     def __init__(self, endpoint: str, name: str, behaviour: str = "honest", keys: ClientKeys | None = None,
@@ -115,7 +116,10 @@ class ScriptedDevice(threading.Thread):
                 committed = list(self.registered.prompt_ids)
             elif kind == P.SCHEDULE:
                 pending = M.parse_schedule(h, 4)
-                sock.send_multipart(self._draft(pending, committed[-1]))
+                if self.behaviour == "refuse_schedule":  # as a device holding an unverified draft answers
+                    sock.send_multipart(M.error("refused the schedule", round_index=pending.round))
+                else:
+                    sock.send_multipart(self._draft(pending, committed[-1]))
             elif kind == P.VERDICT and h.get("dropped"):
                 self.dropped += 1
             elif kind == P.VERDICT:
@@ -197,6 +201,24 @@ def test_a_refused_draft_does_not_hold_up_the_round(ipc, tmp_path, started):
         assert rec["measured"]["round_s"] < 0.5, rec["measured"]["round_s"]
     assert server.refusals["invalid"] >= 6 and bad.dropped >= 6
     assert any("draft.mode" in e for e in bad.errors)
+
+
+def test_a_device_that_refuses_its_schedule_does_not_hold_up_the_round(ipc, started):
+    # A device that holds an unverified draft refuses the next schedule with an error naming the round: the
+    # round goes on without it at once, not at the deadline, and the device stays in the run.
+    server = make_server(ipc, deadline_s=3.0)
+    try:
+        started(ipc, "dev0")
+        refuser = started(ipc, "dev1", behaviour="refuse_schedule")
+        _wait_registered(server, ["dev0", "dev1"])
+        records = server.run(5)
+    finally:
+        server.close()
+    assert len(records) == 5
+    for rec in records:
+        assert rec["missed"] == ["dev1"] and not rec["devices"]["dev0"]["missed"]
+        assert rec["measured"]["round_s"] < 0.5, rec["measured"]["round_s"]
+    assert "dev1" in server.sessions and server.device_errors == {} and refuser.dropped >= 5
 
 
 def test_garbage_and_odd_values_cost_one_message_each(ipc, tmp_path, started, caplog):

@@ -127,3 +127,25 @@ def test_exposed_endpoint_needs_keys_or_insecure(caplog):
         require_keys_or_insecure(["tcp://0.0.0.0:5555"], None, False, "edge")
     require_keys_or_insecure(["tcp://0.0.0.0:5555"], None, True, "edge")
     assert "no authentication" in caplog.text
+
+
+def test_multispin_keys_generate_on_the_command_line(tmp_path, capsys):
+    from testbed.cli import main
+
+    out = tmp_path / "k"
+    assert main(["keys", "generate", "--out", str(out), "--devices", "dev0, dev1"]) == 0
+    said = capsys.readouterr().out
+    assert f"copy {out / 'clients' / 'dev0'}/ to device dev0" in said and "security: {keys:" in said
+    assert sorted(p.stem for p in (out / "authorized").glob("*.key")) == ["channel", "dev0", "dev1", "edge"]
+    assert set(ServerKeys.load(out).authorized.values()) == {"channel", "dev0", "dev1", "edge"}
+    ClientKeys.load(out / "clients" / "dev1")  # a complete bundle for the device
+    # Existing keys are kept unless --force; reserved names and an empty list are clear errors.
+    assert main(["keys", "generate", "--out", str(out), "--devices", "dev0"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["keys", "generate", "--out", str(tmp_path / "k2"), "--devices", "edge"]) == 2
+    assert "reserved" in capsys.readouterr().err
+    assert main(["keys", "generate", "--out", str(tmp_path / "k3"), "--devices", " , "]) == 2
+    assert "--devices" in capsys.readouterr().err
+    old = (out / "server.key").read_bytes()
+    assert main(["keys", "generate", "--out", str(out), "--devices", "dev0", "--force"]) == 0
+    assert (out / "server.key").read_bytes() != old

@@ -75,7 +75,9 @@ from channel_emulator.checks import DL_ACCESS, finite_number
 from testbed.security import (
     CHANNEL_CLIENT,
     EDGE_CLIENT,
+    MAX_MSGS_PER_S,
     ClientKeys,
+    RateLimiter,
     ServerKeys,
     check_identity,
     make_client,
@@ -103,7 +105,6 @@ IDLE_REAP_S = 600.0      # an identity silent this long loses its DEALER
 FDS_PER_IDENTITY = 3
 FD_RESERVE = 64          # listeners, the control socket, ZeroMQ's own threads, the log, Python
 LOG_BURST = 20           # warnings about peers' messages a second; the rest are counted (a flood must not fill a disk)
-MAX_MSGS_PER_S = 2000.0  # per identity, averaged over a one-second burst
 MAX_CONTROL_REPLY_BYTES = 16 * 1024 * 1024  # stats of many links; still bounded
 
 
@@ -209,7 +210,8 @@ class ChannelProxy:
             self.max_identities = identity_budget(self.max_identities, files)
             log.warning("identities capped at %d: this process may open %d files (ulimit -n), %d per identity",
                         self.max_identities, files, FDS_PER_IDENTITY)
-        self.max_msgs_per_s = float(max_msgs_per_s)
+        self.limiter = RateLimiter(max_msgs_per_s)  # per identity; the same limit as the edge's
+        self.max_msgs_per_s = self.limiter.rate
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.frontend.setsockopt(zmq.LINGER, 0)
         self.frontend.setsockopt(zmq.SNDHWM, 0)
@@ -241,7 +243,7 @@ class ChannelProxy:
         self.held_on_link: dict[tuple[str, bytes], int] = defaultdict(int)   # held messages per (dir, device)
         self.link_release: dict[tuple[str, bytes], float] = {}               # latest held deadline per link
         self.last_seen: dict[bytes, float] = {}
-        self.allowance: dict[bytes, tuple[float, float]] = {}                # ident -> (tokens, at)
+        self.allowance = self.limiter.buckets                                # ident -> (tokens, at)
         self._last_reap = time.monotonic()
         self._log_window = [0.0, 0, 0]  # window start, lines logged, lines suppressed
         self.running = False
@@ -293,7 +295,7 @@ class ChannelProxy:
         """Drop what is kept per identity (it holds no message): a stream of new identities must not grow the
         emulator, nor its `stats` reply (the edge reads it every heartbeat). A configured link keeps its stats."""
         self.last_seen.pop(ident, None)
-        self.allowance.pop(ident, None)
+        self.limiter.forget(ident)
         for direction in ("ul", "dl"):
             for table in (self.held_on_link, self.link_release, self.markers, self.free_at):
                 table.pop((direction, ident), None)
@@ -316,11 +318,8 @@ class ChannelProxy:
             self._log_window[2] += 1
 
     def _within_rate(self, ident: bytes, now: float) -> bool:
-        """Token bucket per identity: `max_msgs_per_s`, with a burst of one second's worth."""
-        tokens, at = self.allowance.get(ident, (self.max_msgs_per_s, now))
-        tokens = min(self.max_msgs_per_s, tokens + (now - at) * self.max_msgs_per_s)
-        ok = tokens >= 1.0
-        self.allowance[ident] = (tokens - 1.0 if ok else tokens, now)
+        """Token bucket per identity (`testbed.security.RateLimiter`): `max_msgs_per_s`, bursts of one second's."""
+        ok = self.limiter.allow(ident, now)
         if not ok:
             self.counters["rate_limited"] += 1
             if self.counters["rate_limited"] % 1000 == 1:

@@ -22,8 +22,13 @@ Hardening (a LAN is shared; see docs/wire-protocol.md):
 - Names: ZeroMQ ignores a second connection under a connected name (no ROUTER_HANDOVER); a registration
   under a name whose session is alive is refused ("name in use"); once that session is silent (its device
   crashed), a new registration takes it over. With CURVE keys (`keys_dir`) only listed keys connect and a
-  key speaks only for its own name (the channel emulator's key forwards for all).
-- A channel emulator that stops answering ends the run with a TestbedError (checked between rounds).
+  key speaks only for its own name (the channel emulator's key forwards for all). With an emulator in between
+  (`channel_mode` not passthrough) only the emulator's key connects: no device skips its air time.
+- Each identity may send `max_msgs_per_s` messages a second (a token bucket with a burst of one second's
+  worth, `testbed.security.RateLimiter`, as at the emulator); the rest are dropped before decoding, unanswered
+  (`refusals["rate_limited"]`), so one flooding peer costs the others little.
+- A channel emulator that stops answering ends the run with a TestbedError (checked between rounds); one
+  whose process exited (`channel_exited`, set by whoever started it) ends it within a tick, in rounds too.
 Devices may register (join or rejoin) at any time; they take part from the next round. On a measured real
 link (`measure_links`) each device's link is also probed at registration and between rounds
 (`edge_node.probing`, `probe_links`).
@@ -178,7 +183,8 @@ class EdgeServer:
                  recorder=None, policy: str = "proposed", prompt_texts: list[str] | None = None,
                  max_array_bytes: int = P.MAX_ARRAY_BYTES, tx_marker: bool = True, context=None,
                  keys_dir: str | None = None, heartbeat_s: float = 1.0, liveness: int = 5,
-                 measure_links: bool = False, rate_probes=None):
+                 measure_links: bool = False, rate_probes=None,
+                 max_msgs_per_s: float | None = security.MAX_MSGS_PER_S):
         if not (math.isfinite(heartbeat_s) and M.MIN_HEARTBEAT_S <= heartbeat_s <= M.MAX_HEARTBEAT_S):
             raise ValueError(f"heartbeat_s={heartbeat_s!r}; allowed: {M.MIN_HEARTBEAT_S}..{M.MAX_HEARTBEAT_S} s")
         if not (isinstance(liveness, int) and 1 <= liveness <= M.MAX_LIVENESS):
@@ -191,11 +197,17 @@ class EdgeServer:
         self.bits = scenario.bits_per_prob
         P.wire_dtype(self.bits)  # fail early on an unsupported precision
         self.channel, self.channel_mode, self.base_latency_s = channel, channel_mode, base_latency_s
+        # () -> why the emulator's process is gone, or None while it runs: set by whoever started it
+        # (`testbed.session`); a cheap check each tick, so a dead emulator is seen within a heartbeat.
+        self.channel_exited = None
+        self.channel_down: str | None = None  # why the emulator is known dead: no further control calls
         self.recorder, self.policy = recorder, policy
         self.max_array_bytes, self.tx_marker = max_array_bytes, tx_marker
         self.heartbeat_s, self.liveness = float(heartbeat_s), liveness
         self.window_s = liveness * self.heartbeat_s  # silent this long: the peer is dead
         self.keys = security.ServerKeys.load(keys_dir) if keys_dir else None
+        # Per routing identity, i.e. per connection (no handover: one connection per name). None: no limit.
+        self.limiter = security.RateLimiter(max_msgs_per_s) if max_msgs_per_s is not None else None
         self.ctx = context or zmq.Context.instance()
         self.sock = self._bind(bind, max_array_bytes)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -242,7 +254,10 @@ class EdgeServer:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.window_s * 1000)))
         # Refuse absurd messages at the transport too (the peer is disconnected, the edge goes on).
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_array_bytes + P.MAX_HEADER_BYTES)
-        security.make_server(sock, self.keys)  # CURVE before bind; no keys: plain
+        # CURVE before bind; no keys: plain. Behind an emulator only its key connects: a device's own key
+        # would skip the air time (the handshake fails, so it cannot even hold a device's name here).
+        security.make_server(sock, self.keys, admit=None if self.channel_mode == "passthrough"
+                             else (security.CHANNEL_CLIENT,))
         sock.bind(bind)
         return sock
 
@@ -305,6 +320,14 @@ class EdgeServer:
     def _dispatch(self, frames: list, t_arr: float) -> None:
         """Handle one message; whatever fails costs this message only (an error reply, one log line)."""
         ident = frames[0].bytes
+        if self.limiter is not None and not self.limiter.allow(ident, t_arr):
+            # Before anything is decoded, and unanswered: a flood costs a receive and this check. A device's
+            # probe echoes come one per probe, at most one per GAP_S (10 ms): far below the limit.
+            self.refused += 1
+            self.refusals["rate_limited"] += 1
+            self._log_refusal(ident.decode("utf-8", "replace"),
+                              f"over {self.limiter.rate:g} messages/s; dropped unanswered")
+            return
         name = ident.decode("utf-8", "replace")
         header: dict = {}
         try:
@@ -330,9 +353,13 @@ class EdgeServer:
                          header.get("round"))
 
     def _check_sender(self, name: str, frames: list) -> None:
-        """With CURVE: the routing identity must be the name the sender's key is bound to (or the emulator)."""
+        """With CURVE: the routing identity must be the name the sender's key is bound to (or the emulator);
+        behind an emulator only the emulator's key (the ZAP handler refuses the others already)."""
         if self.keys is None or len(frames) < 2:
             return
+        if self.channel_mode != "passthrough" and security.sender_name(frames[1]) != security.CHANNEL_CLIENT:
+            raise Refusal("identity", f"the key of {security.sender_name(frames[1])!r} cannot reach this edge: "
+                                      "devices connect through the channel emulator")
         why = security.check_identity(name, frames[1], forwarder=security.CHANNEL_CLIENT)
         if why is not None:
             raise Refusal("identity", why)
@@ -474,6 +501,7 @@ class EdgeServer:
         if now < self._next_tick:
             return
         self._next_tick = now + self.heartbeat_s / 4
+        self._check_channel_process()
         self._send_heartbeats(now)
         self._end_silent_sessions(now)
         if not self._in_round:
@@ -500,6 +528,17 @@ class EdgeServer:
                 self._drop_session(name, f"silent for {silent:.1f} s (liveness window {self.window_s:g} s)",
                                    notify=False)
 
+    def _check_channel_process(self) -> None:
+        """The emulator's process, asked without a request: drafts and reports cannot come through a dead
+        emulator, so waiting out the round's deadline and a control timeout would only delay the end."""
+        why = self.channel_exited() if self.channel_exited is not None else None
+        if why is not None:
+            self._channel_dead(f"channel emulator at {getattr(self.channel, 'endpoint', '?')} {why}")
+
+    def _channel_dead(self, message: str):
+        self.channel_down = message
+        raise TestbedError(message)
+
     def _probe_channel(self, now: float) -> None:
         if self.channel is None or now - self._last_probe < self.heartbeat_s:
             return
@@ -508,11 +547,14 @@ class EdgeServer:
 
     def _channel_call(self, what: str, fn, *args, **kwargs):
         """A request to the channel emulator; a dead or failing emulator ends the run with a clear error."""
+        if self.channel_down is not None:  # known dead: a request would only wait out its timeout
+            raise TestbedError(self.channel_down)
         try:
             return fn(*args, **kwargs)
         except TimeoutError as exc:
+            self._check_channel_process()  # exited: say so rather than "did not answer"
             where = getattr(self.channel, "endpoint", "?")
-            raise TestbedError(f"channel emulator at {where} stopped answering ({what}: {exc})") from None
+            self._channel_dead(f"channel emulator at {where} stopped answering ({what}: {exc})")
         except RuntimeError as exc:
             where = getattr(self.channel, "endpoint", "?")
             raise TestbedError(f"channel emulator at {where} failed ({what}: {exc})") from None

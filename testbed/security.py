@@ -11,13 +11,17 @@ Clients are the devices, ``edge`` (the edge as the emulator's control client) an
 emulator as the edge's client). Copy ``DIR/clients/dev0/`` to device dev0; nothing else leaves the edge
 host. A ZAP handler admits only the authorized keys and stamps every message with its sender's name (the
 ``User-Id`` property): a node refuses a message whose routing identity is not the name its key is bound
-to, so a listed key cannot speak for another device.
+to, so a listed key cannot speak for another device. A server socket may admit only some clients (`make_server`
+`admit`: the edge behind an emulator admits only ``channel``). `RateLimiter` is the per-identity message limit the
+edge and the emulator share.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,8 @@ EDGE_CLIENT = "edge"         # the edge connecting to the emulator's control soc
 CHANNEL_CLIENT = "channel"   # the emulator forwarding devices' messages to the edge
 RESERVED = (SERVER, EDGE_CLIENT, CHANNEL_CLIENT)
 LOOPBACK_PREFIXES = ("ipc://", "inproc://", "tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+ADMIT_DOMAIN = "multispin-admit:"  # ZAP domain prefix of a socket that admits only some clients (`make_server`)
+MAX_MSGS_PER_S = 2000.0  # messages a second per peer identity, at the edge and at the emulator (`RateLimiter`)
 
 
 class SecurityError(Exception):
@@ -136,7 +142,8 @@ def _load_pair(secret_file: Path) -> tuple[bytes, bytes]:
 
 
 class _NamedKeyAuthenticator(ThreadAuthenticator):
-    """Admits the authorized keys only and names each connection after its key (its User-Id)."""
+    """Admits the authorized keys only and names each connection after its key (its User-Id). A socket with
+    an `ADMIT_DOMAIN` ZAP domain admits only the clients that domain names."""
 
     def __init__(self, context: zmq.Context, authorized: dict[bytes, str]):
         super().__init__(context)
@@ -146,17 +153,22 @@ class _NamedKeyAuthenticator(ThreadAuthenticator):
         return self.names[client_public_key]
 
     def callback(self, domain: str, z85_key: bytes) -> bool:  # the credentials provider's hook
-        ok = z85.decode(z85_key) in self.names
-        if not ok:
+        name = self.names.get(z85.decode(z85_key))
+        if name is None:
             log.warning("refused a CURVE client with an unlisted key %s...", bytes(z85_key[:10]).decode())
-        return ok
+            return False
+        if domain.startswith(ADMIT_DOMAIN) and name not in domain[len(ADMIT_DOMAIN):].split(","):
+            log.warning("refused the CURVE key of %r on a socket that admits only %s", name,
+                        domain[len(ADMIT_DOMAIN):])
+            return False
+        return True
 
 
 _authenticators: dict[int, _NamedKeyAuthenticator] = {}
 _auth_lock = threading.Lock()
 
 
-def _ensure_authenticator(ctx: zmq.Context, keys: ServerKeys) -> None:
+def _ensure_authenticator(ctx: zmq.Context, keys: ServerKeys, domain: str = "*") -> None:
     with _auth_lock:
         auth = _authenticators.get(id(ctx))
         if auth is None:
@@ -166,6 +178,8 @@ def _ensure_authenticator(ctx: zmq.Context, keys: ServerKeys) -> None:
             _authenticators[id(ctx)] = auth
         else:
             auth.names.update(keys.authorized)
+        if domain not in auth.credentials_providers:  # ZAP looks a domain up by its exact name
+            auth.configure_curve_callback(domain, credentials_provider=auth)
 
 
 def stop_authenticators(ctx: zmq.Context | None = None) -> None:
@@ -177,11 +191,19 @@ def stop_authenticators(ctx: zmq.Context | None = None) -> None:
                 auth.stop()
 
 
-def make_server(sock: zmq.Socket, keys: ServerKeys | None) -> None:
-    """Turn `sock` (before bind) into a CURVE server admitting only `keys.authorized`; None: plain."""
+def make_server(sock: zmq.Socket, keys: ServerKeys | None, *, admit: Iterable[str] | None = None) -> None:
+    """Turn `sock` (before bind) into a CURVE server admitting only `keys.authorized`; None: plain. `admit`:
+    only the clients of these names connect (the others fail the handshake, so they hold no routing id)."""
     if keys is None:
         return
-    _ensure_authenticator(sock.context, keys)
+    domain = "*"
+    if admit is not None:
+        names = sorted(set(admit))
+        if not names or not all(n and "," not in n for n in names):
+            raise ValueError(f"admit={names!r}: allowed: one or more client names without ','")
+        domain = ADMIT_DOMAIN + ",".join(names)
+        sock.zap_domain = domain.encode()
+    _ensure_authenticator(sock.context, keys, domain)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_server = True
@@ -216,14 +238,49 @@ def check_identity(identity: str, frame: zmq.Frame, *, forwarder: str | None = N
     return f"the key of {name!r} cannot speak as {identity!r}"
 
 
-def require_keys_or_insecure(endpoints: list[str], keys_dir: str | None, insecure: bool, what: str) -> None:
-    """Refuse to serve a non-loopback endpoint without keys unless the profile says `security: insecure`."""
+def require_keys_or_insecure(endpoints: list[str], keys_dir: str | None, insecure: bool, what: str, *,
+                             keys_setting: str = "security: {keys: DIR}",
+                             insecure_setting: str = "security: insecure") -> None:
+    """Refuse to serve a non-loopback endpoint without keys unless the profile says `security: insecure`
+    (`keys_setting`, `insecure_setting`: how a command line says the same, e.g. `--keys DIR`, `--insecure`)."""
     exposed = [e for e in endpoints if e and not is_loopback(e)]
     if not exposed or keys_dir:
         return
     if not insecure:
         raise SecurityError(f"{what} binds {', '.join(exposed)} without keys: make them with `multispin keys "
-                            f"generate --out DIR --devices ...` and set `security: {{keys: DIR}}`, or set "
-                            f"`security: insecure` to accept any peer that reaches the port")
-    log.warning("SECURITY: %s serves %s with no authentication and no encryption (security: insecure)",
-                what, ", ".join(exposed))
+                            f"generate --out DIR --devices ...` and set `{keys_setting}`, or set "
+                            f"`{insecure_setting}` to accept any peer that reaches the port")
+    log.warning("SECURITY: %s serves %s with no authentication and no encryption (%s)",
+                what, ", ".join(exposed), insecure_setting)
+
+
+class RateLimiter:
+    """A token bucket per peer identity: `rate` messages a second on average, in bursts of one second's worth.
+    Bookkeeping only (the caller passes its clock's `now`); a bucket refilled to the brim is forgotten, so a
+    stream of new identities grows it only by those heard within the last second."""
+
+    def __init__(self, rate: float = MAX_MSGS_PER_S):
+        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 1):
+            raise ValueError(f"max_msgs_per_s={rate!r}; allowed: a finite number of messages a second >= 1")
+        self.rate = float(rate)
+        self.buckets: dict[bytes, tuple[float, float]] = {}  # identity -> (tokens, when counted)
+        self._prune_at = 1024
+
+    def allow(self, ident: bytes, now: float) -> bool:
+        """Whether `ident` may send one more message at `now` (it is counted if so)."""
+        if ident not in self.buckets and len(self.buckets) >= self._prune_at:
+            self.prune(now)
+            self._prune_at = max(1024, 2 * len(self.buckets))
+        tokens, at = self.buckets.get(ident, (self.rate, now))
+        tokens = min(self.rate, tokens + (now - at) * self.rate)
+        ok = tokens >= 1.0
+        self.buckets[ident] = (tokens - 1.0 if ok else tokens, now)
+        return ok
+
+    def forget(self, ident: bytes) -> None:
+        self.buckets.pop(ident, None)
+
+    def prune(self, now: float) -> None:
+        """Forget the buckets full again (quiet for a second): the same as never seen."""
+        for ident in [i for i, (t, at) in self.buckets.items() if t + (now - at) * self.rate >= self.rate]:
+            del self.buckets[ident]

@@ -20,6 +20,7 @@ import os
 import platform
 import secrets
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -253,9 +254,9 @@ def run_session(s: LiveSession, *, progress: bool = True, on_round=None, recorde
             connect = start_channel(s)
             start_devices(s, connect)
             wait_for_devices(s)
-            records = run_rounds(s, progress, on_round)
-            status, reason = outcome(s, records)
-            summary = finish(s, records, status, reason)
+            tally = run_rounds(s, progress, on_round)
+            status, reason = outcome(s, tally)
+            summary = finish(s, status, reason)
             return summary
         except BaseException as exc:  # Ctrl-C too: the run directory must not say "running" forever
             status, reason = status_of(exc)
@@ -356,9 +357,32 @@ def start_channel(s: LiveSession) -> str:
         said = f"; it exited ({proc.returncode}): {s.launcher.last_line('channel')}" if proc.poll() is not None else ""
         raise TestbedError(f"channel emulator: {exc}{said} (log: {s.run_dir / 'logs' / 'channel.log'})") from None
     s.server.channel = s.channel
+    s.server.channel_exited = lambda: channel_exited(s)  # polled each edge tick: a dead emulator ends the run
     if s.start_devices:
         return front.replace("0.0.0.0", "127.0.0.1")
     return ep.device_connect or front
+
+
+def channel_exited(s: LiveSession) -> str | None:
+    """Why the emulator this run started is gone ("exited (killed by SIGKILL, pid N): its last log line
+    (log: ...)"), or None while it runs; `Popen.poll` only, cheap enough for every edge tick."""
+    proc = s.launcher.procs.get("channel") if s.launcher is not None else None
+    if proc is None or proc.poll() is None:
+        return None
+    code, last = proc.returncode, ""
+    try:
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    except ValueError:
+        how = f"killed by signal {-code}"
+    if code > 0:  # it stopped itself: its last words say why (a killed one's are whatever it did last)
+        last = s.launcher.last_line("channel")
+    return f"exited ({how}, pid {proc.pid}){': ' + last if last else ''} (log: {s.run_dir / 'logs' / 'channel.log'})"
+
+
+def channel_down(s: LiveSession) -> str | None:
+    """Why the emulator is known dead (exited, or a control request timed out), or None: then no request
+    is sent to it, which would only wait out its timeout."""
+    return (s.server.channel_down if s.server is not None else None) or channel_exited(s)
 
 
 def start_devices(s: LiveSession, connect: str) -> None:
@@ -422,9 +446,18 @@ def exited_devices(launcher: Launcher) -> list[str]:
     return out
 
 
-def run_rounds(s: LiveSession, progress: bool, on_round) -> list[dict]:
+@dataclass
+class RoundTally:
+    """What the run loop leaves in memory of its records (they are in rounds.jsonl): how many, the latest."""
+
+    count: int = 0
+    last: dict | None = None
+
+
+def run_rounds(s: LiveSession, progress: bool, on_round) -> RoundTally:
     """The profile's rounds, with a progress bar (round, tokens, measured and predicted goodput); after each
-    round the progress log gets every device's tokens so far (what a resumed run continues from)."""
+    round the progress log gets every device's tokens so far (what a resumed run continues from). Records
+    are not kept in memory past their write: a long run's edge stays flat."""
     bar = None
     if progress:
         from tqdm import tqdm
@@ -434,10 +467,12 @@ def run_rounds(s: LiveSession, progress: bool, on_round) -> list[dict]:
                    unit="cycle" if cycles else "round",
                    desc=f"{s.profile.name} [{s.profile.policy}]")
     tokens = 0
+    tally = RoundTally()
 
     def _on_round(rec: dict) -> None:
         nonlocal tokens
         tokens += rec["measured"]["tokens"]
+        tally.count, tally.last = tally.count + 1, rec
         save_progress(s, rec.get("round"))
         if bar is not None:
             bar.update(1)
@@ -446,7 +481,8 @@ def run_rounds(s: LiveSession, progress: bool, on_round) -> list[dict]:
             on_round(rec, s.server, s.launcher)
 
     try:
-        return run_from(s.server, s.start_round, s.profile.rounds, _on_round)
+        run_from(s.server, s.start_round, s.profile.rounds, _on_round)
+        return tally
     finally:
         if bar is not None:
             bar.close()
@@ -460,21 +496,21 @@ def progress_postfix(rec: dict, tokens: int) -> str:
             f"{rec.get('num_ul', 0)} UL")
 
 
-def run_from(server: EdgeServer, start: int, rounds: int, on_round) -> list[dict]:
+def run_from(server: EdgeServer, start: int, rounds: int, on_round) -> None:
     """Rounds `start`..`rounds`-1 (round indices seed every random draw, so a resumed run numbers on)."""
-    return server.run(rounds, on_round=on_round, start_round=start)
+    server.run(rounds, on_round=on_round, start_round=start, keep_records=False)
 
 
-def outcome(s: LiveSession, records: list[dict]) -> tuple[str, str]:
+def outcome(s: LiveSession, tally: RoundTally) -> tuple[str, str]:
     """(status, reason) of a run whose loop ended normally."""
-    rounds = s.profile.rounds
-    if s.scenario.rounds == "asynchronous" and records:  # `round` counts the cycles of all devices
+    rounds, n = s.profile.rounds, tally.count
+    if s.scenario.rounds == "asynchronous" and n:  # `round` counts the cycles of all devices
         if s.server.sessions and all(x.done for x in s.server.sessions.values()):
-            return COMPLETE, f"every device session finished (max_new_tokens) after {len(records)} cycles"
+            return COMPLETE, f"every device session finished (max_new_tokens) after {n} cycles"
         if s.server.sessions:
-            return COMPLETE, f"up to {rounds} cycles per device (asynchronous rounds; {len(records)} cycles)"
-        return INCOMPLETE, f"every device left the run after {len(records)} cycles (asynchronous rounds)"
-    last = records[-1]["round"] if records else s.start_round - 1
+            return COMPLETE, f"up to {rounds} cycles per device (asynchronous rounds; {n} cycles)"
+        return INCOMPLETE, f"every device left the run after {n} cycles (asynchronous rounds)"
+    last = tally.last["round"] if tally.last else s.start_round - 1
     if last + 1 >= rounds:
         return COMPLETE, f"{rounds} rounds"
     sessions = s.server.sessions
@@ -486,16 +522,16 @@ def outcome(s: LiveSession, records: list[dict]) -> tuple[str, str]:
                         f"(see the device logs and the edge's messages)")
 
 
-def finish(s: LiveSession, records: list[dict], status: str, reason: str) -> dict:
-    """End the device sessions; write outputs.json and summary.json; returns the summary."""
+def finish(s: LiveSession, status: str, reason: str) -> dict:
+    """End the device sessions; write outputs.json and summary.json (from rounds.jsonl: the whole run, a
+    resumed one's earlier part too); returns the summary."""
     s.recorder.write_outputs(session_outputs(s, s.server.finish("run complete" if status == COMPLETE
                                                                 else f"run {status}")))
-    if s.resume is not None:  # the summary covers the whole run, not only its resumed part
-        records = list(iter_rounds(s.run_dir))
-    summary = report.summarize(records)
+    written = (s.run_dir / "rounds.jsonl").is_file()
+    summary = report.summarize(list(iter_rounds(s.run_dir)) if written else [])
     summary.update(status=status, reason=reason, rounds_requested=s.profile.rounds,
                    refused_messages=s.server.refused, refusals=dict(s.server.refusals))
-    if s.channel is not None:
+    if s.channel is not None and not channel_down(s):
         try:
             summary["channel_stats"] = s.channel.stats()
             s.channel.stop()
@@ -562,7 +598,8 @@ def abort_run(s: LiveSession, status: str, reason: str) -> None:
             summary["refusals"] = dict(s.server.refusals)
     except Exception as exc:
         log.error("while stopping the run (summary): %s", exc)
-    if s.channel is not None:  # an emulator that died (the reason the run stopped, perhaps) has none
+    # An emulator known dead (the reason the run stopped, perhaps) has none: asking would wait out a timeout.
+    if s.channel is not None and not channel_down(s):
         try:
             summary["channel_stats"] = s.channel.stats()
         except (TimeoutError, RuntimeError) as exc:
@@ -581,7 +618,8 @@ def close_run(s: LiveSession, status: str, reason: str, finished: bool) -> None:
             s.server.close()
         if s.channel is not None:
             s.channel.close()
-        codes = s.launcher.stop_all(grace_s=5.0)
+        # Devices here reach the edge through the emulator: with it dead no bye reaches them, so no waiting.
+        codes = s.launcher.stop_all(grace_s=0.0 if channel_down(s) else 5.0)
         try:
             s.recorder.update_meta(processes=codes, status=status, reason=reason,
                                    ended_utc=_utc_now())

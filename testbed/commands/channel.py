@@ -56,6 +56,10 @@ def register(subparsers) -> None:
     s.add_argument("--keys", default=None, metavar="DIR",
                    help="key directory (multispin keys generate): CURVE on the frontend, control and edge links; "
                         "without it, set MULTISPIN_CHANNEL_TOKEN to require a token on the control socket")
+    s.add_argument("--insecure", action="store_true",
+                   help="serve a non-loopback --frontend without --keys, or a non-loopback --control without "
+                        "--keys or MULTISPIN_CHANNEL_TOKEN: any peer that reaches the port is accepted (a "
+                        "SECURITY warning is logged)")
     s.set_defaults(handler=_serve)
 
     pr = sub.add_parser("probe", help="measure a real link's rate, latency and jitter (size-swept ping-pong)",
@@ -128,10 +132,21 @@ def _validate(args) -> int:
 
 
 def _serve(args) -> int:
-    from channel_emulator.proxy import run_proxy
-    from testbed.cli import CliError
-    from testbed.security import SecurityError
+    import os
 
+    from channel_emulator.proxy import TOKEN_ENV, run_proxy
+    from testbed.cli import CliError
+    from testbed.security import SecurityError, require_keys_or_insecure
+
+    # Before any socket: the frontend hands any peer's messages to the edge as a device's (keys only), the
+    # control socket takes `stop` (keys, or a token); beyond the loopback either needs --insecure otherwise.
+    token = bool(os.environ.get(TOKEN_ENV))
+    try:
+        require_keys_or_insecure([args.frontend] if token else [args.frontend, args.control], args.keys,
+                                 args.insecure, "multispin channel serve", keys_setting="--keys DIR",
+                                 insecure_setting="--insecure")
+    except SecurityError as exc:
+        raise CliError(f"{exc}" + (f" ({TOKEN_ENV} guards --control only)" if token else "")) from None
     print(f"channel emulator ({args.mode}): devices -> {args.frontend}, edge at {args.edge}, "
           f"control at {args.control}", file=sys.stderr, flush=True)
     try:

@@ -496,8 +496,8 @@ class EdgeServer:
 
     # -- liveness and the channel check ----------------------------------------------------------
     def _tick(self, now: float) -> None:
-        """Housekeeping a few times per heartbeat period: heartbeats out, silent sessions ended, and
-        between rounds a check that the channel emulator still answers."""
+        """Housekeeping a few times per heartbeat period: the emulator's process checked (in rounds too),
+        heartbeats out, silent sessions ended, and between rounds a check that the emulator still answers."""
         if now < self._next_tick:
             return
         self._next_tick = now + self.heartbeat_s / 4
@@ -549,6 +549,7 @@ class EdgeServer:
         """A request to the channel emulator; a dead or failing emulator ends the run with a clear error."""
         if self.channel_down is not None:  # known dead: a request would only wait out its timeout
             raise TestbedError(self.channel_down)
+        self._check_channel_process()  # died since the last tick (e.g. just before a round's configure)
         try:
             return fn(*args, **kwargs)
         except TimeoutError as exc:

@@ -618,8 +618,9 @@ def close_run(s: LiveSession, status: str, reason: str, finished: bool) -> None:
             s.server.close()
         if s.channel is not None:
             s.channel.close()
-        # Devices here reach the edge through the emulator: with it dead no bye reaches them, so no waiting.
-        codes = s.launcher.stop_all(grace_s=0.0 if channel_down(s) else 5.0)
+        # Devices here reach the edge through the emulator: with it dead no bye reaches them, so no waiting
+        # (a finished run stopped its emulator itself, after the bye).
+        codes = s.launcher.stop_all(grace_s=0.0 if not finished and channel_down(s) else 5.0)
         try:
             s.recorder.update_meta(processes=codes, status=status, reason=reason,
                                    ended_utc=_utc_now())

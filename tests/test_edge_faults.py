@@ -455,8 +455,10 @@ class _Channel:
 
     endpoint = "ipc://test-channel"
     dead = False
+    requests = 0
 
     def _request(self):
+        self.requests += 1
         if self.dead:
             raise TimeoutError("no reply within 100 ms")
         return {"ok": True}
@@ -485,6 +487,11 @@ def test_a_dead_channel_emulator_ends_the_run_with_a_clear_error(ipc, started):
         with pytest.raises(TestbedError, match=r"channel emulator at ipc://test-channel stopped answering"):
             server.run(50, on_round=on_round, join_wait_s=0.3)
         assert time.monotonic() - t_dead[0] < 1.0  # checked while waiting between rounds
+        # Known dead: asked nothing more (a request would only wait out its timeout), the same error again.
+        asked = channel.requests
+        with pytest.raises(TestbedError, match="stopped answering"):
+            server._channel_call("stats", channel.stats)
+        assert channel.requests == asked and "stopped answering" in server.channel_down
     finally:
         server.close()
     assert server.rounds_done == 3

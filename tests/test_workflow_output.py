@@ -11,32 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from testbed.controller import Controller, DeviceOutcome, round_record
-from testbed.scenario_file import load_scenario
+from test_workflow import synth_records
 
 ROOT = Path(__file__).resolve().parent.parent
-SCEN = {"vocab_size": 1000, "bits_per_prob": 16, "max_draft_len": 6,
-        "devices": [{"name": "a", "distance_m": 100, "draft_time_s": 0.01, "acceptance": 0.7},
-                    {"name": "b", "distance_m": 300, "draft_time_s": 0.02, "acceptance": 0.6}]}
 
 
 def _records(n: int) -> list[dict]:
-    c = Controller(load_scenario(SCEN))
-    recs = []
-    for r in range(n):
-        rp = c.plan_round(r, ["a", "b"])
-        outcomes = {}
-        for name in ("a", "b"):
-            d = rp.per_device[name]
-            outcomes[name] = DeviceOutcome(
-                n_accepted=1, tokens=2, dl_payload="p", ul_bytes=10, dl_bytes=10, up_phase_s=d.uplink_s * 1.1,
-                t_verdict=0.0, timings={"draft_s": d.draft_s * 1.1},
-                ul_channel={"mode": "real", "held_s": d.tx_s * 1.02, "bytes": 10},
-                dl_channel={"mode": "real", "held_s": d.downlink_s * 0.98, "bytes": 10})
-        recs.append(round_record(rp, policy="proposed", outcomes=outcomes, verify_s=rp.plan["phases_s"]["verify"],
-                                 round_s=rp.plan["round_time_s"] * 1.2, t_start_s=float(r)))
-    return recs
+    return synth_records(n, slow=1.2)  # real round records (controller.round_record) of two devices
 
 
 @pytest.fixture

@@ -81,9 +81,16 @@ from testbed.wire.protocol import ProtocolError
 log = logging.getLogger("multispin.edge")
 
 REFUSAL_LOG_BURST = 20  # refusals logged per second; beyond that they are counted (a flood must not fill the disk)
+# Messages a second per identity (bursts of one second's worth). An honest device sends 2-3 a round (draft, report,
+# a tx_start marker; heartbeats only when idle; probe echoes one per probe, 10 ms apart): 450 a second at 146
+# rounds/s (micro pair), 600 at 300 rounds/s (a scripted device against a fake verifier).
+MAX_MSGS_PER_S = 1000.0
 # A message read within this of the edge becoming free was already queued while the edge was busy, so its
 # arrival stamp is late (the virtual clock then estimates the arrival; see `controller.virtual_round`).
 WAITED_S = 0.0005
+# Messages handled per `drain` within `poll` before the housekeeping and the deadline are looked at again: a peer
+# that sends faster than the edge reads must not hold the edge in one drain (no heartbeats, no deadline).
+DRAIN_BATCH = 1000
 
 
 class Refusal(ProtocolError):
@@ -184,7 +191,7 @@ class EdgeServer:
                  max_array_bytes: int = P.MAX_ARRAY_BYTES, tx_marker: bool = True, context=None,
                  keys_dir: str | None = None, heartbeat_s: float = 1.0, liveness: int = 5,
                  measure_links: bool = False, rate_probes=None,
-                 max_msgs_per_s: float | None = security.MAX_MSGS_PER_S):
+                 max_msgs_per_s: float | None = MAX_MSGS_PER_S):
         if not (math.isfinite(heartbeat_s) and M.MIN_HEARTBEAT_S <= heartbeat_s <= M.MAX_HEARTBEAT_S):
             raise ValueError(f"heartbeat_s={heartbeat_s!r}; allowed: {M.MIN_HEARTBEAT_S}..{M.MAX_HEARTBEAT_S} s")
         if not (isinstance(liveness, int) and 1 <= liveness <= M.MAX_LIVENESS):
@@ -223,7 +230,7 @@ class EdgeServer:
         self.refused = 0
         self.refusals: Counter[str] = Counter()   # reason -> refused messages
         self.device_errors: dict[str, str] = {}  # name -> why the device said it cannot take part
-        self._log_window = (0.0, 0, 0)            # (window start, lines logged, lines suppressed)
+        self._log_window = (0.0, 0, Counter())    # (window start, lines logged, reason -> lines suppressed)
         self._heartbeat = M.heartbeat()
         self._next_tick = 0.0
         self._last_probe = 0.0
@@ -278,25 +285,33 @@ class EdgeServer:
         Under a name in use by another connection ZeroMQ delivers nothing, so the reply reaches the sender."""
         self.refused += 1
         self.refusals[reason] += 1
-        self._log_refusal(ident.decode("utf-8", "replace"), message)
+        self._log_refusal(ident.decode("utf-8", "replace"), message, reason)
         try:
             self.sock.send_multipart([ident, *M.error(message, round_index=round_index)], copy=False)
         except zmq.ZMQError:
             pass
 
-    def _log_refusal(self, name: str, message: str) -> None:
+    def _log_refusal(self, name: str, message: str, reason: str = "other") -> None:
         now = time.monotonic()
+        self._flush_refusal_log(now)
         start, logged, suppressed = self._log_window
-        if now - start >= 1.0:
-            if suppressed:
-                log.warning("%d more refused messages were not logged", suppressed)
-            start, logged, suppressed = now, 0, 0
         if logged < REFUSAL_LOG_BURST:
             log.warning("refused a message from %s: %s", P.show(name, 80), message)
             logged += 1
         else:
-            suppressed += 1
+            suppressed[reason] += 1
         self._log_window = (start, logged, suppressed)
+
+    def _flush_refusal_log(self, now: float) -> None:
+        """A second after its start, close the refusal log's window: say how many refusals were not logged, by
+        reason (also when no refusal follows: `poll` calls this)."""
+        start, _, suppressed = self._log_window
+        if now - start < 1.0:
+            return
+        if suppressed:
+            log.warning("%d more refused messages were not logged (%s)", suppressed.total(),
+                        ", ".join(f"{k}: {v}" for k, v in suppressed.most_common()))
+        self._log_window = (now, 0, Counter())
 
     def poll(self, until: float, stop=None) -> None:
         """Serve incoming messages until the monotonic time `until` or until `stop()` is true; heartbeats,
@@ -306,6 +321,7 @@ class EdgeServer:
                 return
             now = time.monotonic()
             self._tick(now)
+            self._flush_refusal_log(now)
             left = until - now
             if left <= 0:
                 return
@@ -313,7 +329,7 @@ class EdgeServer:
             self._free_since = time.monotonic()
             if not self.sock.poll(max(1, int(wait * 1000))):
                 continue
-            if self.drain(stop):
+            if self.drain(stop, limit=DRAIN_BATCH):
                 return
 
     # -- one message -----------------------------------------------------------------------------
@@ -326,7 +342,7 @@ class EdgeServer:
             self.refused += 1
             self.refusals["rate_limited"] += 1
             self._log_refusal(ident.decode("utf-8", "replace"),
-                              f"over {self.limiter.rate:g} messages/s; dropped unanswered")
+                              f"over {self.limiter.rate:g} messages/s; dropped unanswered", "rate_limited")
             return
         name = ident.decode("utf-8", "replace")
         header: dict = {}
@@ -624,10 +640,11 @@ class EdgeServer:
                 cur.reports_waited.add(name)
         self._take_link(name, rep.link, time.monotonic() if t_arr is None else t_arr)
 
-    def drain(self, stop=None, mark_free: bool = True) -> bool:
-        """Handle every message already queued (until `stop()` is true); returns whether it stopped. With
-        `mark_free`, the edge counts as free again after each message (what was read late is told apart)."""
-        while True:
+    def drain(self, stop=None, mark_free: bool = True, limit: int | None = None) -> bool:
+        """Handle every message already queued (until `stop()` is true, or `limit` messages); returns whether it
+        stopped. With `mark_free`, the edge counts as free again after each message (what was read late is
+        told apart)."""
+        for _ in itertools.repeat(None) if limit is None else range(limit):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -637,6 +654,7 @@ class EdgeServer:
                 self._free_since = time.monotonic()
             if stop is not None and stop():
                 return True
+        return False
 
     def publish_link_rates(self, names: list[str]) -> None:
         """The measured link rates the controller plans `names` with, and their sources (rounds, probe, model)."""

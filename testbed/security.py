@@ -38,7 +38,6 @@ CHANNEL_CLIENT = "channel"   # the emulator forwarding devices' messages to the 
 RESERVED = (SERVER, EDGE_CLIENT, CHANNEL_CLIENT)
 LOOPBACK_PREFIXES = ("ipc://", "inproc://", "tcp://127.", "tcp://localhost:", "tcp://[::1]:")
 ADMIT_DOMAIN = "multispin-admit:"  # ZAP domain prefix of a socket that admits only some clients (`make_server`)
-MAX_MSGS_PER_S = 2000.0  # messages a second per peer identity, at the edge and at the emulator (`RateLimiter`)
 
 
 class SecurityError(Exception):
@@ -259,7 +258,7 @@ class RateLimiter:
     Bookkeeping only (the caller passes its clock's `now`); a bucket refilled to the brim is forgotten, so a
     stream of new identities grows it only by those heard within the last second."""
 
-    def __init__(self, rate: float = MAX_MSGS_PER_S):
+    def __init__(self, rate: float):
         if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 1):
             raise ValueError(f"max_msgs_per_s={rate!r}; allowed: a finite number of messages a second >= 1")
         self.rate = float(rate)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from channel_emulator.proxy import ChannelControl
+from channel_emulator.proxy import TOKEN_ENV, ChannelControl
 from channel_emulator.validate import _percentile
 from testbed.cli import main
 from testbed.wire.protocol import decode_header, encode_header
@@ -83,3 +83,22 @@ def test_serve_runs_the_proxy_standalone(tmp_path):
         dev.close(linger=0)
         control.close()
         ctx.term()
+
+
+def test_serve_refuses_an_exposed_endpoint_without_keys_or_token(monkeypatch, capsys, tmp_path):
+    # Refused before any socket is made (nothing here listens beyond the loopback): a control socket anyone can
+    # reach would take anyone's `stop`, a frontend anyone can reach would pass anyone's messages as a device's.
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    front, base = f"ipc://{tmp_path}/front", ["channel", "serve", "--edge", "tcp://127.0.0.1:5555"]
+    assert main([*base, "--frontend", front, "--control", "tcp://0.0.0.0:5601"]) == 2
+    err = capsys.readouterr().err
+    assert "multispin channel: error: the emulator binds tcp://0.0.0.0:5601 without keys" in err
+    assert "`--keys DIR`" in err and "`--insecure`" in err and "Traceback" not in err
+    assert main([*base, "--frontend", "tcp://0.0.0.0:5600", "--control", "tcp://0.0.0.0:5601"]) == 2
+    assert "binds tcp://0.0.0.0:5600, tcp://0.0.0.0:5601 without keys" in capsys.readouterr().err
+    # A control token guards the control socket, not the frontend.
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    assert main([*base, "--frontend", "tcp://0.0.0.0:5600", "--control", "tcp://0.0.0.0:5601"]) == 2
+    err = capsys.readouterr().err
+    assert "binds tcp://0.0.0.0:5600 without keys" in err and f"({TOKEN_ENV} guards --control only)" in err
+    assert not list(tmp_path.iterdir())  # not even the loopback endpoint was bound

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import zmq
 
-from edge_node.server import EdgeServer
+from channel_emulator.proxy import ChannelProxy
+from edge_node.server import MAX_MSGS_PER_S, EdgeServer
 from testbed.controller import Controller
 from testbed.core.sampling import SamplingParams
 from testbed.errors import TestbedError
@@ -521,6 +522,160 @@ def test_memory_stays_bounded_over_many_rounds(ipc, started):
     # What must grow: the sessions' output ids (a few ints a round each). Records are not kept: they were
     # 9 KiB a round with these 4 devices.
     assert grown / 150 < 2048, grown / 150
+
+
+def _flooder(endpoint: str, ctx: zmq.Context, name: bytes = b"flood") -> zmq.Socket:
+    """A DEALER that queues whatever it is given (no high-water mark): a burst leaves at the transport's pace."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.ROUTING_ID, name)
+    s.connect(endpoint)
+    return s
+
+
+def test_a_flooding_identity_is_rate_limited_while_honest_devices_are_served(ipc, started, caplog):
+    # One peer sends 20,000 garbage messages as fast as the transport takes them while two devices run rounds:
+    # the edge handles at most MAX_MSGS_PER_S a second from it (plus one second's burst), drops the rest before
+    # decoding and unanswered, and the honest devices miss no round.
+    n_flood = 20_000
+    server = make_server(ipc, deadline_s=3.0, heartbeat_s=0.5, liveness=6)  # the default limit
+    flood_ctx = zmq.Context()
+    flooder = _flooder(ipc, flood_ctx)
+    t_flood: list[float] = []
+    try:
+        started(ipc, "dev0")
+        started(ipc, "dev1")
+        _wait_registered(server, ["dev0", "dev1"])
+
+        def on_round(rec):
+            if rec["round"] == 9:
+                t_flood.append(time.monotonic())
+                for _ in range(n_flood):
+                    flooder.send(b"\x00 not a header", zmq.NOBLOCK)  # no high-water mark: never blocks
+
+        def all_in():
+            return server.refusals["malformed"] + server.refusals["rate_limited"] >= n_flood
+
+        with caplog.at_level(logging.WARNING, logger="multispin.edge"):
+            records = server.run(40, on_round=on_round)
+            server.poll(time.monotonic() + 10.0, stop=all_in)
+            t_done = time.monotonic()
+            server.poll(time.monotonic() + 1.1)  # the refusal log's last window closes
+        handled, dropped = server.refusals["malformed"], server.refusals["rate_limited"]
+        replies = 0
+        while flooder.poll(200):
+            flooder.recv_multipart()
+            replies += 1
+    finally:
+        flooder.close(linger=0)
+        flood_ctx.term()
+        server.close()
+    assert handled + dropped == n_flood
+    flood_s = t_done - t_flood[0]  # an upper bound on how long the flood took to arrive
+    before = [r["measured"]["round_s"] for r in records[:10]]
+    during = [r["measured"]["round_s"] for r in records[10:]]
+    print(f"\nflood of {n_flood} messages within {flood_s:.2f} s: {handled} handled, {dropped} dropped "
+          f"(limit {MAX_MSGS_PER_S:g}/s); median round {1e3 * np.median(before):.1f} ms before, "
+          f"{1e3 * np.median(during):.1f} ms during and after")
+    assert handled <= MAX_MSGS_PER_S * (1.0 + flood_s) + 1 and dropped >= n_flood - handled
+    assert replies == handled  # a dropped message is not answered
+    # Every honest message got through: no round missed, nothing refused but the flood's.
+    assert len(records) == 40 and all(not r["missed"] for r in records)
+    assert server.refused == n_flood and set(server.refusals) == {"malformed", "rate_limited"}
+    # The refusal log stays throttled (20 lines a second); the rest are counted per reason, none lost.
+    lines = [r.getMessage() for r in caplog.records]
+    logged = [m for m in lines if m.startswith("refused a message from 'flood'")]
+    summaries = [m for m in lines if "more refused messages were not logged" in m]
+    assert len(logged) <= 20 * (1 + (t_done - t_flood[0]) + 1.1)
+    assert any("rate_limited: " in m for m in summaries)
+    assert len(logged) + sum(int(m.split()[0]) for m in summaries) == n_flood
+
+
+def test_a_poll_ends_on_time_while_a_peer_sends_faster_than_the_edge_reads(ipc):
+    # Without a limit every garbage message is decoded and answered (tens of microseconds each): a queue of
+    # 30,000 takes the edge about a second. A poll of 50 ms must still end after a batch or two, not drain it.
+    server = make_server(ipc, max_msgs_per_s=None)
+    flood_ctx = zmq.Context()
+    flooder = _flooder(ipc, flood_ctx)
+    try:
+        for _ in range(30_000):
+            flooder.send(b"\x00 not a header", zmq.NOBLOCK)
+        assert server.sock.poll(5000)
+        t = time.monotonic()
+        server.poll(t + 0.05)
+        took = time.monotonic() - t
+        left = server.sock.poll(0)
+        handled_then = server.refused
+        # Read the rest before the flooder leaves: libzmq 4.3.5 aborts a process whose socket has transport
+        # heartbeats on when a peer hangs up while that peer's receive queue is full.
+        server.poll(time.monotonic() + 30.0, stop=lambda: server.refused >= 30_000)
+    finally:
+        flooder.close(linger=0)
+        flood_ctx.term()
+        server.close()
+    assert took < 0.5 and handled_then < 30_000 and left, (took, handled_then)
+    assert server.refused == server.refusals["malformed"] == 30_000  # then every one was handled
+
+
+def test_behind_an_emulator_only_the_emulators_key_reaches_the_edge(tmp_path):
+    # With an emulator in between, a device's own key straight to the edge would skip its air time: the edge
+    # admits only the emulator's key (`channel`), already in the CURVE handshake, so the direct socket gets
+    # nothing and holds no name; through the emulator the same device registers.
+    keys = tmp_path / "keys"
+    generate_keys(keys, ["dev0", "dev1"])
+    ctx, proxy_ctx, dev_ctx = zmq.Context(), zmq.Context(), zmq.Context()
+    server = make_server("tcp://127.0.0.1:0", keys_dir=str(keys), context=ctx, channel_mode="real")
+    proxy = ChannelProxy("tcp://127.0.0.1:0", server.endpoint, "tcp://127.0.0.1:0", keys_dir=str(keys),
+                         context=proxy_ctx)
+    front = proxy.frontend.getsockopt(zmq.LAST_ENDPOINT).decode()
+    thread = threading.Thread(target=proxy.run, daemon=True)
+    thread.start()
+    sockets = []
+
+    def device(endpoint: str, name: str) -> zmq.Socket:
+        s = dev_ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDTIMEO, 1000)  # a refused CURVE client may never get a pipe to send on
+        s.setsockopt(zmq.ROUTING_ID, name.encode())
+        make_client(s, ClientKeys.for_name(keys, name))
+        s.connect(endpoint)
+        sockets.append(s)
+        return s
+
+    def reply(s: zmq.Socket, wait_s: float = 2.0):
+        server.poll(time.monotonic() + wait_s, stop=lambda: s.poll(0))
+        return P.decode_header(s.recv_multipart()[0]) if s.poll(200) else None
+
+    try:
+        assert server.endpoint.startswith("tcp://127.0.0.1:") and front.startswith("tcp://127.0.0.1:")
+        direct = [device(server.endpoint, "dev0"), device(server.endpoint, "dev1")]
+        for s in direct:
+            try:
+                s.send_multipart(M.register(s.getsockopt(zmq.ROUTING_ID).decode(), V, {}))
+            except zmq.Again:
+                pass  # refused before any pipe was up: nothing can be delivered either
+        assert reply(direct[0]) is None and reply(direct[1], 0.5) is None
+        assert server.sessions == {} and server.refused == 0  # refused in the handshake: no message at all
+        # The same devices through the emulator (its DEALERs authenticate as `channel`): both register, and the
+        # direct sockets, still retrying their handshakes, hold neither name.
+        for name in ("dev0", "dev1"):
+            via = device(front, name)
+            via.send_multipart(M.register(name, V, {}))
+            h = reply(via, 5.0)
+            assert h is not None and h["type"] == "registered", h
+        assert sorted(server.sessions) == ["dev0", "dev1"] and proxy.counters["impersonation"] == 0
+    finally:
+        for s in sockets:
+            s.close(linger=0)
+        proxy.running = False
+        thread.join(5)
+        server.close()
+        stop_authenticators(proxy_ctx)
+        stop_authenticators(ctx)
+        for c in (dev_ctx, proxy_ctx, ctx):
+            c.term()
 
 
 # -- with a real device process --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ answering probes, and a live loopback run whose records carry probe estimates fr
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from types import SimpleNamespace
@@ -471,3 +472,6 @@ def test_a_live_run_plans_with_probe_estimates_of_both_directions_from_registrat
     by = {(x["device"], x["direction"]): x["fit"]["rate_bps"] for x in sweeps}
     for name, d in first.items():
         assert d["link_rate_bps"] == {"ul": pytest.approx(by[(name, "ul")]), "dl": pytest.approx(by[(name, "dl")])}
+    # The probe echoes (one per probe, GAP_S apart) stay far below the edge's per-identity message limit.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "rate_limited" not in summary["refusals"], summary["refusals"]

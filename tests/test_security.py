@@ -9,6 +9,7 @@ import zmq
 
 from testbed.security import (
     ClientKeys,
+    RateLimiter,
     SecurityError,
     ServerKeys,
     check_identity,
@@ -126,7 +127,30 @@ def test_exposed_endpoint_needs_keys_or_insecure(caplog):
     with pytest.raises(SecurityError, match="security: insecure"):
         require_keys_or_insecure(["tcp://0.0.0.0:5555"], None, False, "edge")
     require_keys_or_insecure(["tcp://0.0.0.0:5555"], None, True, "edge")
-    assert "no authentication" in caplog.text
+    assert "no authentication" in caplog.text and "(security: insecure)" in caplog.text
+    # A command line names its own flags.
+    with pytest.raises(SecurityError, match="set `--keys DIR`, or set `--insecure`"):
+        require_keys_or_insecure(["tcp://0.0.0.0:5600"], None, False, "serve", keys_setting="--keys DIR",
+                                 insecure_setting="--insecure")
+    require_keys_or_insecure(["tcp://0.0.0.0:5600"], None, True, "serve", insecure_setting="--insecure")
+    assert "SECURITY: serve serves tcp://0.0.0.0:5600 with no authentication" in caplog.text
+    assert "(--insecure)" in caplog.text
+
+
+def test_rate_limiter_token_bucket_per_identity():
+    lim = RateLimiter(100)
+    # A burst of one second's worth, then the rate; another identity has its own bucket.
+    assert sum(lim.allow(b"a", 0.0) for _ in range(150)) == 100
+    assert lim.allow(b"b", 0.0)
+    assert sum(lim.allow(b"a", 0.5) for _ in range(100)) == 50
+    assert 99 <= sum(lim.allow(b"a", 0.5 + i / 200) for i in range(201)) <= 100  # 200/s for 1 s: 100 pass
+    with pytest.raises(ValueError, match="max_msgs_per_s"):
+        RateLimiter(float("nan"))
+    # Buckets full again are forgotten when new identities pile up: memory follows the identities of the last
+    # second, not all that ever came.
+    for i in range(5000):
+        lim.allow(str(i).encode(), 10.0 + i)
+    assert len(lim.buckets) <= 1025
 
 
 def test_multispin_keys_generate_on_the_command_line(tmp_path, capsys):

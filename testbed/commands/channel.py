@@ -143,7 +143,7 @@ def _serve(args) -> int:
     token = bool(os.environ.get(TOKEN_ENV))
     try:
         require_keys_or_insecure([args.frontend] if token else [args.frontend, args.control], args.keys,
-                                 args.insecure, "multispin channel serve", keys_setting="--keys DIR",
+                                 args.insecure, "the emulator", keys_setting="--keys DIR",
                                  insecure_setting="--insecure")
     except SecurityError as exc:
         raise CliError(f"{exc}" + (f" ({TOKEN_ENV} guards --control only)" if token else "")) from None

@@ -255,10 +255,15 @@ class EdgeServer:
         sock.setsockopt(zmq.LINGER, 0)
         # No handover: a second connection under a connected name is ignored by ZeroMQ, so it cannot take a
         # live device's messages. A crashed device's connection closes, which frees its name for the restart;
-        # the transport heartbeat below closes a connection whose host vanished (no FIN ever comes).
+        # TCP keepalive and a retransmission limit close a connection whose host vanished (no FIN ever comes).
+        # Not ZeroMQ's transport heartbeat: with it, libzmq 4.3.5 aborts the process when a peer hangs up with
+        # the edge's receive queue full (stream_engine_base.cpp:310), which any peer can arrange.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_s * 1000)))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.window_s * 1000)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, math.ceil(self.heartbeat_s)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, math.ceil(self.heartbeat_s)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, self.liveness)
+        sock.setsockopt(zmq.TCP_MAXRT, max(1, int(self.window_s * 1000)))
         # Refuse absurd messages at the transport too (the peer is disconnected, the edge goes on).
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_array_bytes + P.MAX_HEADER_BYTES)
         # CURVE before bind; no keys: plain. Behind an emulator only its key connects: a device's own key

@@ -743,3 +743,45 @@ def test_a_device_that_cannot_start_tells_the_edge_why(ipc, caplog):
         assert server.wait_for_devices(["dev1"], 0.2) == ["dev1"]  # the edge keeps serving
     finally:
         server.close()
+
+
+BUSY_EDGE = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_edge_faults import make_server
+server = make_server("tcp://127.0.0.1:0")
+print(server.endpoint, flush=True)
+for _ in range(6):  # read a batch, then busy (a long verification) while a flood fills the queue
+    server.poll(time.monotonic() + 0.01)
+    time.sleep(0.4)
+server.close()
+print("alive", flush=True)
+"""
+
+
+def test_a_peer_that_fills_the_queue_of_a_busy_edge_then_hangs_up_does_not_kill_it():
+    # With ZeroMQ's transport heartbeat on the edge's socket, libzmq 4.3.5 aborts the process when a peer
+    # hangs up with the queue full (stream_engine_base.cpp:310); the edge relies on its own heartbeats and
+    # TCP keepalive instead.
+    edge = subprocess.Popen([sys.executable, "-c", BUSY_EDGE.format(tests=os.path.dirname(__file__))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    try:
+        endpoint = edge.stdout.readline().strip()
+        assert endpoint.startswith("tcp://127.0.0.1:"), edge.stderr.read()
+        for wait_s in (0.1, 0.2, 0.3, 0.5):  # the abort's window is narrow: hang up at several points
+            flood = ctx.socket(zmq.DEALER)
+            flood.setsockopt(zmq.LINGER, 0)
+            flood.setsockopt(zmq.SNDHWM, 0)
+            flood.connect(endpoint)
+            for _ in range(30_000):
+                flood.send(b"\x00 garbage", zmq.NOBLOCK)
+            time.sleep(wait_s)
+            flood.close(linger=0)
+        out, err = edge.communicate(timeout=30)
+        assert edge.returncode == 0 and out.strip() == "alive", (edge.returncode, err[-2000:])
+    finally:
+        ctx.destroy(linger=0)
+        if edge.poll() is None:
+            edge.kill()
+            edge.wait()

@@ -584,7 +584,8 @@ def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: st
 
 
 class ChannelControl:
-    """Client of the emulator's control socket (REQ with a timeout; the socket is rebuilt after one)."""
+    """Client of the emulator's control socket (REQ with a timeout; the socket is rebuilt after one, and
+    after a request cut short by anything else, e.g. a signal while waiting for the reply)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None,
                  keys: ClientKeys | None = None, token: str | None = None):
@@ -614,6 +615,11 @@ class ChannelControl:
             self._connect()  # a REQ socket is stuck after a lost reply ("lazy pirate")
             raise TimeoutError(f"channel emulator at {self.endpoint} did not answer "
                                f"{msg.get('type')!r} within {self.timeout_ms} ms") from None
+        except BaseException:
+            # Cut short (SIGTERM during recv): the REQ socket would refuse the next send (EFSM), e.g. the
+            # stats the run asks for while stopping.
+            self._connect()
+            raise
         try:  # the reply is peer input too: strict and bounded, like every header
             reply = parse_json(raw, what="control reply", max_bytes=MAX_CONTROL_REPLY_BYTES,
                                max_items=MAX_CONTROL_REPLY_BYTES // 8)

@@ -282,3 +282,39 @@ def test_the_identity_cap_fits_the_open_file_limit(tmp_path):
                 proc.wait(5)
             ctl.close()
             ctx.destroy(linger=0)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_control_request_cut_short_by_a_signal_leaves_the_client_usable():
+    # SIGTERM while the edge waits for a control reply, then the stopping run asks for stats: the REQ socket
+    # must not be left waiting for the lost reply ("Operation cannot be accomplished in current state").
+    import signal
+
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)  # answers the second request only
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    control = ChannelControl(f"tcp://127.0.0.1:{port}", timeout_s=5, context=ctx)
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(_Interrupted):
+            control.stats()
+        ident, empty, _ = server.recv_multipart()  # the first request, never answered
+        answered = threading.Thread(target=lambda: server.send_multipart(
+            [*server.recv_multipart()[:2], b'{"ok": true, "counters": {}}']))
+        answered.start()
+        assert control.stats() == {"ok": True, "counters": {}}
+        answered.join(5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        control.sock.close(linger=0)
+        ctx.destroy(linger=0)

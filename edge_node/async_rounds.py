@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_node.server import RoundInFlight
+from edge_node.server import DRAIN_BATCH, RoundInFlight
 from testbed.controller import DeviceOutcome, RoundPlan, channel_links, round_record
 from testbed.core import model
 from testbed.core.optimizer import DevicePlan
@@ -94,7 +94,8 @@ class AsyncRounds:
                     break
                 srv.poll(self._until(), stop=self._has_work)
                 srv._free_since = time.monotonic()  # what the drain reads now was queued while the edge was busy
-                srv.drain(mark_free=False)  # all queued now: the next batch holds every draft that has arrived
+                # All queued now (a flood: a batch of it): the next batch holds every draft that has arrived.
+                srv.drain(mark_free=False, limit=DRAIN_BATCH)
                 self._expire(time.monotonic())
                 self._verify_ready()
                 self._close_reported()

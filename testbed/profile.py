@@ -176,7 +176,6 @@ class Profile(_Strict):
     # channel.state.source: live; a LAN device takes --link-probe itself.
     link_probe: dict[str, str] = Field(default_factory=dict, description="device name -> link probe SPEC")
     link_probe_period_s: float = Field(default=1.0, gt=0, description="seconds between two link measurements")
-    device_threads: int = Field(default=1, ge=1)
     start_devices: bool = Field(default=True, description="emulation: start one process per scenario device")
     # Emulation at scale: k devices per process share one onnxruntime session (device_node.host); each keeps
     # its own identity, KV cache, seeds and measured drafting time. 1: one process per device.

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from testbed.core.optimizer import plan  # noqa: E402
-from testbed.core.scenario import DropSpec, Scenario  # noqa: E402
+from testbed.core.scenario import DropSpec, Scenario, ScenarioError  # noqa: E402
 from testbed.core.simulate import draw_devices  # noqa: E402
 
 BUDGET_S = 0.100                           # the live controller's plan budget at N = 128
@@ -73,14 +73,16 @@ def main() -> int:
                     help="a scenario field for every drop, e.g. dl_provisioning=expected (repeatable)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    fields = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            fields[key] = float(value) if value.replace(".", "", 1).replace("e", "", 1).lstrip("-").isdigit() \
-                else value
-        except ValueError:
-            fields[key] = value
+    from testbed.config_override import OverrideError, parse_set
+
+    try:  # values read as YAML, as `multispin --set` reads them (numbers, lists, null)
+        fields = {o.key: o.value for o in parse_set(args.set)}
+    except OverrideError as exc:
+        ap.error(str(exc))
+    try:  # a bad field is named now, not as a traceback from the first drop
+        Scenario.from_dict(dict(devices=draw_devices(DropSpec(), 2, (0, 0)), **fields))
+    except (ScenarioError, TypeError) as exc:
+        ap.error(f"--set: {exc}")
     if fields:
         print("scenario fields:", fields)
     old_plan = None

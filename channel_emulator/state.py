@@ -25,8 +25,10 @@ SNR <-> gain: snr = p g / (N0 B), i.e. g_dB = snr_dB - p_dBW + 10 log10(N0 B), w
 transmit power the SNR refers to and B its UL bandwidth: per device ``max_power_w`` (or
 ``max_power_dbm``) and ``ul_bandwidth_hz`` (or ``uplink_bandwidth_hz``), else
 ``cfg["snr_reference"] = {"power_dbm": 23, "bandwidth_hz": 1e6}``; N0 from ``noise_psd_dbm_hz`` (-174) and
-``noise_figure_db`` (0) in cfg. A live reading with ``signal_dbm`` and ``noise_dbm`` but no ``snr_db``
-uses snr_dB = signal_dBm - noise_dBm. The model then predicts the measured SNR at that power and
+``noise_figure_db`` (0) in cfg. A run, `plan` and `simulate` fill in the noise, and each device's power
+and bandwidth, from the scenario (`testbed.plugins.channel_state_from_config`) unless the state names its
+own (noise, ``snr_reference``). A live reading with ``signal_dbm`` and ``noise_dbm`` but no ``snr_db`` uses
+snr_dB = signal_dBm - noise_dBm. The model then predicts the measured SNR at that power and
 bandwidth, and scales it with the power the optimizer picks.
 """
 from __future__ import annotations

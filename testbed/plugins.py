@@ -189,10 +189,19 @@ def load_channel_source(spec: str):
     return target
 
 
-def channel_state_from_config(cfg: dict, devices: list[dict]):
-    """`ChannelState.from_config` with plug-in sources allowed."""
+def channel_state_from_config(cfg: dict, devices: list[dict], scenario=None):
+    """`ChannelState.from_config` with plug-in sources allowed. With `scenario`, the state turns SNRs into
+    gains with the scenario's noise (`noise_psd_dbm_hz`, `noise_figure_db`) and each device's maximum power
+    and UL bandwidth, unless `cfg` names its own (noise, `snr_reference`), so that the model predicts the
+    SNR a trace or a live reading gave."""
     from channel_emulator.state import ChannelState
 
+    if scenario is not None:
+        cfg = {"noise_psd_dbm_hz": scenario.noise_psd_dbm_hz, "noise_figure_db": scenario.noise_figure_db, **cfg}
+        if "snr_reference" not in cfg:
+            own = {d.name: (d.max_power_w, b) for d, b in zip(scenario.devices, scenario.ul_bandwidths_hz())}
+            devices = [{"max_power_w": own[d["name"]][0], "uplink_bandwidth_hz": float(own[d["name"]][1]), **d}
+                       if d.get("name") in own else d for d in devices]
     return ChannelState.from_config(cfg, devices, resolve=load_channel_source)
 
 
@@ -206,7 +215,8 @@ class ChannelGains:
 
     def __call__(self, scenario, drop: int):
         devices = [d.model_dump(exclude_none=True) for d in scenario.devices]
-        state = channel_state_from_config({**self.cfg, "seed": int(self.cfg.get("seed", self.seed)) + drop}, devices)
+        state = channel_state_from_config({**self.cfg, "seed": int(self.cfg.get("seed", self.seed)) + drop}, devices,
+                                          scenario)
         return state.gains_db
 
 

@@ -31,7 +31,6 @@ from typing import Any
 import zmq
 
 from channel_emulator.proxy import ChannelControl
-from channel_emulator.state import ChannelState
 from device_node.hardware import HardwareProfile, load_hardware
 from edge_node.server import EdgeServer
 from edge_node.verifier import BatchedVerifier, load_target
@@ -53,7 +52,7 @@ from testbed.launcher import (
     status_of,
     tcp_port,
 )
-from testbed.plugins import load_channel_source
+from testbed.plugins import channel_state_from_config
 from testbed.profile import Profile, ProfileError, load_profile
 from testbed.records import RunRecorder, iter_rounds, load_progress
 from testbed.runs_index import pid_alive
@@ -162,9 +161,9 @@ def make_controller(profile: Profile, scenario: Scenario, hardware: dict[str, Ha
     channel_state = None
     if profile.channel.state is not None:
         # The channel's realizations are seeded like the run unless the profile seeds them itself.
-        channel_state = ChannelState.from_config(
+        channel_state = channel_state_from_config(  # plug-in sources too
             {**profile.channel.state, "seed": profile.channel.state.get("seed", profile.seed)},
-            list(profile.scenario["devices"]), resolve=load_channel_source)  # plug-in sources too
+            list(profile.scenario["devices"]), scenario)
     est = profile.estimator
     return Controller(scenario, policy=profile.policy, fixed_length=profile.fixed_length, seed=profile.seed,
                       channel_state=channel_state, compute_scale={n: h.compute_scale for n, h in hardware.items()},

@@ -172,3 +172,28 @@ def test_snr_reference_uses_the_scenario_device_fields(tmp_path):
     # d0: 20 dB = 0.1 W * g / (N0 * 2 MHz); d1 falls back to snr_reference (1 W, 500 kHz): 3 dB.
     assert 10 ** (g["d0"] / 10) == pytest.approx(10 ** 2.0 * N0 * 2e6 / 0.1)
     assert 10 ** (g["d1"] / 10) == pytest.approx(10 ** 0.3 * N0 * 5e5 / 1.0)
+
+
+DRAFTER = {"draft_time_s": 0.01, "acceptance": 0.7}
+
+
+def test_a_run_reads_snrs_with_the_scenarios_noise_power_and_bandwidth():
+    # The model must predict the SNR a device measured: the state's SNR -> gain uses the scenario's noise
+    # figure (9 dB here, the state's own default is 0) and the device's power and UL bandwidth (2 MHz here).
+    from testbed.core.scenario import Scenario
+    from testbed.plugins import channel_state_from_config
+
+    sc = Scenario.from_dict({"noise_figure_db": 9.0, "uplink_bandwidth_hz": 2e6,
+                             "devices": [{"name": "d0", "distance_m": 100, "max_power_w": 0.1, **DRAFTER},
+                                         {"name": "d1", "distance_m": 200, "uplink_bandwidth_hz": 5e5, **DRAFTER}]})
+    devices = [{"name": "d0", "distance_m": 100}, {"name": "d1", "distance_m": 200}]
+    st = channel_state_from_config({"source": "live"}, devices, sc)
+    for name, p_w, b_hz in (("d0", 0.1, 2e6), ("d1", 0.2, 5e5)):
+        st.report_live(name, 20.0)
+        g_db = st.gains_db(0, 0.0)[name]
+        modeled = 10 * math.log10(p_w * 10 ** (g_db / 10) / (sc.noise_psd_w_hz * b_hz))
+        assert modeled == pytest.approx(20.0, abs=1e-9), name
+    # A state that names its own noise keeps it: 9 dB less noise, 9 dB less gain for the same SNR.
+    own = channel_state_from_config({"source": "live", "noise_figure_db": 0.0}, devices, sc)
+    own.report_live("d0", 20.0)
+    assert own.gains_db(0, 0.0)["d0"] == pytest.approx(st.gains_db(0, 0.0)["d0"] - 9.0)

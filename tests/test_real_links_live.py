@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from channel_emulator.state import ChannelState
 from channel_emulator.traces import load_mahimahi, load_throughput_csv
 from testbed import PROFILES_DIR
 from testbed.launcher import run_live
+from testbed.plugins import channel_state_from_config
 from testbed.profile import load_profile
 from testbed.records import load_run
 from testbed.run_plots import write_run_plots
@@ -52,7 +52,9 @@ def test_probe_readings_reach_the_plan_and_a_stale_one_sits_its_device_out(micro
     run_live(profile, run_dir, progress=False, on_round=on_round)
     meta, records = load_run(run_dir)
     assert meta["status"] == "complete"
-    state = ChannelState.from_config(profile.channel.state, list(profile.scenario["devices"]))
+    # SNR -> gain as the run does it: the scenario's noise, and each device's power and UL bandwidth (2 MHz)
+    state = channel_state_from_config(profile.channel.state, list(profile.scenario["devices"]),
+                                      profile.scenario_obj())
     live_rounds = [r for r in records if (r["devices"].get("d0") or {}).get("live_used", {}).get("source") == "live"]
     assert len(live_rounds) >= len(records) - 3  # all but the first rounds, planned before any reading came
     for r in live_rounds:

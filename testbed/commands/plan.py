@@ -135,7 +135,7 @@ def channel_rounds(args) -> int:
         warn("plan", msg)
     try:
         cs = channel_state_from_config({**state, "seed": state.get("seed", profile.seed)},
-                                       list(profile.scenario["devices"]))
+                                       list(profile.scenario["devices"]), sc)
     except ValueError as exc:
         raise CliError(f"{path}: channel.state: {exc}") from None
     ctl = Controller(sc, policy=args.policy, fixed_length=fixed_length, seed=args.seed, channel_state=cs)

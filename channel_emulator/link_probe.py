@@ -38,6 +38,8 @@ import struct
 import time
 from dataclasses import asdict, dataclass
 
+from testbed.link_estimate import next_sweep_size
+
 MAGIC = b"MSLP"
 VERSION = 1
 HEADER = struct.Struct("!4sBBQQ")  # magic, version, op, n_up, n_down
@@ -239,10 +241,10 @@ def sweep(ping, *, target_s: float, min_bytes: int, max_bytes: int, repeats: int
     while True:
         rtt = ping(size)
         time.sleep(gap_s)
-        if rtt >= target_s or size >= max_bytes or time.monotonic() > deadline:
+        nxt = next_sweep_size(size, rtt, target_s, max_bytes)
+        if nxt is None or time.monotonic() > deadline:
             break
-        # Jump by the shortfall (x2..x16): few steps from tiny sizes, no overshoot near the target.
-        size = min(max_bytes, int(size * min(16.0, max(2.0, 0.8 * target_s / max(rtt, 1e-6)))))
+        size = nxt
     top = size
     sizes = sorted({max(1, int(top * (0.25 + 0.75 * i / (points - 1)))) for i in range(points)})
     done_s: list[int] = []

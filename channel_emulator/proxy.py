@@ -76,6 +76,7 @@ from testbed.security import (
     CHANNEL_CLIENT,
     EDGE_CLIENT,
     ClientKeys,
+    LogThrottle,
     RateLimiter,
     ServerKeys,
     check_identity,
@@ -243,9 +244,8 @@ class ChannelProxy:
         self.held_on_link: dict[tuple[str, bytes], int] = defaultdict(int)   # held messages per (dir, device)
         self.link_release: dict[tuple[str, bytes], float] = {}               # latest held deadline per link
         self.last_seen: dict[bytes, float] = {}
-        self.allowance = self.limiter.buckets                                # ident -> (tokens, at)
         self._last_reap = time.monotonic()
-        self._log_window = [0.0, 0, 0]  # window start, lines logged, lines suppressed
+        self._peer_log = LogThrottle(log, LOG_BURST, "warnings about peers' messages")
         self.running = False
 
     # -- sockets -------------------------------------------------------------------------------------
@@ -306,16 +306,7 @@ class ChannelProxy:
 
     def _warn(self, msg: str, *args) -> None:
         """A warning about a peer's message, at most LOG_BURST a second (the rest are counted, then said)."""
-        now = time.monotonic()
-        if now - self._log_window[0] >= 1.0:
-            if self._log_window[2]:
-                log.warning("%d more warnings about peers' messages were not logged", self._log_window[2])
-            self._log_window = [now, 0, 0]
-        if self._log_window[1] < LOG_BURST:
-            self._log_window[1] += 1
-            log.warning(msg, *args)
-        else:
-            self._log_window[2] += 1
+        self._peer_log.warn(time.monotonic(), "other", msg, *args)
 
     def _within_rate(self, ident: bytes, now: float) -> bool:
         """Token bucket per identity (`testbed.security.RateLimiter`): `max_msgs_per_s`, bursts of one second's."""
@@ -545,6 +536,7 @@ class ChannelProxy:
                             break
                         self._guarded(sock, frames, t_arr)
                         self._deliver_due()
+                self._peer_log.flush(time.monotonic())  # a flood that stopped is still reported
                 if time.monotonic() - self._last_reap > 10.0:
                     self._last_reap = time.monotonic()
                     self._reap(self._last_reap)

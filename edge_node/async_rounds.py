@@ -191,24 +191,12 @@ class AsyncRounds:
         for name in batch:
             srv.cycles[name].closed = True  # past its drafting phase: a second draft is discarded
             srv.sessions[name].misses = 0
-        items = [(srv.sessions[n].sid, list(srv.sessions[n].pending), srv.cycles[n].drafts[n].draft.tokens.tolist())
-                 for n in batch]
-        tv = time.monotonic()
-        logits = srv.verifier.verify(items)
-        verify_s = time.monotonic() - tv
-        srv.controller.observe_verify(sum(srv.cycles[n].schedule[n].draft_len + 1 for n in batch), verify_s)
-        shared = self._share_dl(batch)
-        for name, lg in zip(batch, logits):
+        shared: list[str] = []  # the DL is split among the verdicts in flight before this batch's go out
+        outcomes, verify_s, tv = srv.verify_batch({n: srv.cycles[n] for n in batch},
+                                                  before_verdicts=lambda: shared.extend(self._share_dl(batch)))
+        for name, o in outcomes.items():
             cur, c = srv.cycles[name], self.open[name]
             arrived = cur.drafts[name]
-            try:
-                o = srv._decide(cur, name, lg)
-            except Exception as exc:  # one device's data must not cost the others their cycle
-                log.warning("%s: its draft of cycle %d could not be verified (%s: %s)", name, c.index,
-                            type(exc).__name__, exc)
-                srv._drop_session(name, "its draft could not be verified")
-                continue
-            srv._observe(cur, name, o)
             c.outcome, c.verify_s, c.batch = o, verify_s, list(batch)
             c.wait_s, c.dl_shared = max(0.0, tv - arrived.t_arrival), shared
             cur.t_reports_from = time.monotonic()
@@ -276,15 +264,8 @@ class AsyncRounds:
             else:
                 t_end = srv._take_report(cur, name, o)
         rec = self._record(c, cur, t_end)
-        if o is not None and not late:
-            srv.controller.observe_round(rec["measured"]["round_s"], rec["predicted"]["round_s"],
-                                         cur.plan.scenario.round_overhead_s)
-        srv.controller.observe_energy(rec)
-        srv.controller.observe_outcome(rec)
-        if srv.recorder is not None:
-            srv.recorder.append_round(rec)
-        srv.rounds_done += 1
-        srv.last_record = rec
+        srv.keep_record(rec, fit_round=(rec["predicted"]["round_s"], cur.plan.scenario.round_overhead_s)
+                        if o is not None and not late else None)
         if self.records is not None:
             self.records.append(rec)
         self.next_index[name] = c.index + 1
@@ -293,10 +274,7 @@ class AsyncRounds:
         if s is not None and s.sid == cur.sids[name]:
             if s.awaiting_report is not None:  # its DL correction is still to come: it cannot draft before
                 self.stalled[name] = t_end + srv.deadline_s
-            if srv.max_new_tokens and len(s.output_ids) >= srv.max_new_tokens and not s.done:
-                s.done = True
-                srv.verifier.close(s.sid)
-                srv._send(name, M.done(f"generated {len(s.output_ids)} tokens"))
+            srv.finish_if_done(name)
         if self.on_round is not None:
             self.on_round(rec)
 
@@ -309,7 +287,9 @@ class AsyncRounds:
         outcomes = {name: c.outcome} if c.outcome is not None else {}
         rec = round_record(one, policy=srv.policy, outcomes=outcomes, verify_s=c.verify_s,
                            round_s=t_end - c.t_start, t_start_s=c.t_start - srv.t_origin,
-                           extra={"channel_mode": srv.channel_mode, "plan_s": cur.plan_s})
+                           extra={"channel_mode": srv.channel_mode, "plan_s": cur.plan_s,
+                                  # the sweeps since the previous record, as synchronous rounds list them
+                                  **({"link_probes": srv.prober.take_log()} if srv.prober is not None else {})})
         d = rp.per_device[name]
         verify = (rp.plan.get("phases_s") or {}).get("verify") or 0.0
         t_k = d.uplink_s + verify + d.downlink_s + rp.scenario.round_overhead_s

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.link_estimate import DirectionEstimate, LinkFit
+from testbed.link_estimate import DirectionEstimate, LinkFit, next_sweep_size
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 
@@ -117,11 +117,7 @@ class SweepSizes:
 
     def next_growth(self, size: int, rtt_s: float) -> int | None:
         """The size after `size` took `rtt_s`, or None when the growth is over (target or max reached)."""
-        if rtt_s >= self.target_s or size >= self.max_bytes:
-            return None
-        # Jump by the shortfall (x2..x16): few steps from tiny sizes, little overshoot near the target.
-        factor = min(16.0, max(2.0, 0.8 * self.target_s / max(rtt_s, 1e-6)))
-        return min(self.max_bytes, int(size * factor))
+        return next_sweep_size(size, rtt_s, self.target_s, self.max_bytes)
 
     def repeats(self, top: int, passes: int = REPEATS) -> list[list[int]]:
         """The sizes probed after the growth: POINTS from top / 4 to top, `passes` times, shuffled per pass."""

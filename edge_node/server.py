@@ -230,7 +230,7 @@ class EdgeServer:
         self.refused = 0
         self.refusals: Counter[str] = Counter()   # reason -> refused messages
         self.device_errors: dict[str, str] = {}  # name -> why the device said it cannot take part
-        self._log_window = (0.0, 0, Counter())    # (window start, lines logged, reason -> lines suppressed)
+        self._refusal_log = security.LogThrottle(log, REFUSAL_LOG_BURST, "refused messages")
         self._heartbeat = M.heartbeat()
         self._next_tick = 0.0
         self._last_probe = 0.0
@@ -285,38 +285,20 @@ class EdgeServer:
             self._send(name, [P.tx_start_marker("dl")])
         self._send(name, frames)
 
-    def _refuse(self, ident: bytes, reason: str, message: str, round_index=None) -> None:
-        """Count and log a refused message; answer its sender with an `error` (M.error is safe on peer text).
-        Under a name in use by another connection ZeroMQ delivers nothing, so the reply reaches the sender."""
+    def _refuse(self, ident: bytes, reason: str, message: str, round_index=None, *, answer: bool = True) -> None:
+        """Count and log a refused message; with `answer`, answer its sender with an `error` (M.error is safe
+        on peer text). Under a name in use by another connection ZeroMQ delivers nothing, so the reply reaches
+        the sender."""
         self.refused += 1
         self.refusals[reason] += 1
-        self._log_refusal(ident.decode("utf-8", "replace"), message, reason)
+        self._refusal_log.warn(time.monotonic(), reason, "refused a message from %s: %s",
+                               P.show(ident.decode("utf-8", "replace"), 80), message)
+        if not answer:
+            return
         try:
             self.sock.send_multipart([ident, *M.error(message, round_index=round_index)], copy=False)
         except zmq.ZMQError:
             pass
-
-    def _log_refusal(self, name: str, message: str, reason: str = "other") -> None:
-        now = time.monotonic()
-        self._flush_refusal_log(now)
-        start, logged, suppressed = self._log_window
-        if logged < REFUSAL_LOG_BURST:
-            log.warning("refused a message from %s: %s", P.show(name, 80), message)
-            logged += 1
-        else:
-            suppressed[reason] += 1
-        self._log_window = (start, logged, suppressed)
-
-    def _flush_refusal_log(self, now: float) -> None:
-        """A second after its start, close the refusal log's window: say how many refusals were not logged, by
-        reason (also when no refusal follows: `poll` calls this)."""
-        start, _, suppressed = self._log_window
-        if now - start < 1.0:
-            return
-        if suppressed:
-            log.warning("%d more refused messages were not logged (%s)", suppressed.total(),
-                        ", ".join(f"{k}: {v}" for k, v in suppressed.most_common()))
-        self._log_window = (now, 0, Counter())
 
     def poll(self, until: float, stop=None) -> None:
         """Serve incoming messages until the monotonic time `until` or until `stop()` is true; heartbeats,
@@ -326,7 +308,6 @@ class EdgeServer:
                 return
             now = time.monotonic()
             self._tick(now)
-            self._flush_refusal_log(now)
             left = until - now
             if left <= 0:
                 return
@@ -344,10 +325,8 @@ class EdgeServer:
         if self.limiter is not None and not self.limiter.allow(ident, t_arr):
             # Before anything is decoded, and unanswered: a flood costs a receive and this check. A device's
             # probe echoes come one per probe, at most one per GAP_S (10 ms): far below the limit.
-            self.refused += 1
-            self.refusals["rate_limited"] += 1
-            self._log_refusal(ident.decode("utf-8", "replace"),
-                              f"over {self.limiter.rate:g} messages/s; dropped unanswered", "rate_limited")
+            self._refuse(ident, "rate_limited", f"over {self.limiter.rate:g} messages/s; dropped unanswered",
+                         answer=False)
             return
         name = ident.decode("utf-8", "replace")
         header: dict = {}
@@ -378,9 +357,12 @@ class EdgeServer:
         behind an emulator only the emulator's key (the ZAP handler refuses the others already)."""
         if self.keys is None or len(frames) < 2:
             return
-        if self.channel_mode != "passthrough" and security.sender_name(frames[1]) != security.CHANNEL_CLIENT:
-            raise Refusal("identity", f"the key of {security.sender_name(frames[1])!r} cannot reach this edge: "
-                                      "devices connect through the channel emulator")
+        if self.channel_mode != "passthrough":  # the emulator's key speaks for every device: nothing else to check
+            sender = security.sender_name(frames[1])
+            if sender != security.CHANNEL_CLIENT:
+                raise Refusal("identity", f"the key of {sender!r} cannot reach this edge: "
+                                          "devices connect through the channel emulator")
+            return
         why = security.check_identity(name, frames[1], forwarder=security.CHANNEL_CLIENT)
         if why is not None:
             raise Refusal("identity", why)
@@ -517,11 +499,13 @@ class EdgeServer:
 
     # -- liveness and the channel check ----------------------------------------------------------
     def _tick(self, now: float) -> None:
-        """Housekeeping a few times per heartbeat period: the emulator's process checked (in rounds too),
-        heartbeats out, silent sessions ended, and between rounds a check that the emulator still answers."""
+        """Housekeeping a few times per heartbeat period: the refusal log's window closed, the emulator's
+        process checked (in rounds too), heartbeats out, silent sessions ended, and between rounds a check
+        that the emulator still answers."""
         if now < self._next_tick:
             return
         self._next_tick = now + self.heartbeat_s / 4
+        self._refusal_log.flush(now)
         self._check_channel_process()
         self._send_heartbeats(now)
         self._end_silent_sessions(now)
@@ -809,14 +793,27 @@ class EdgeServer:
         and the verification time (None when no draft came)."""
         if not present:
             return {}, None
-        items = [(self.sessions[n].sid, list(self.sessions[n].pending), cur.drafts[n].draft.tokens.tolist())
-                 for n in present]
+        outcomes, verify_s, _ = self.verify_batch({n: cur for n in present})
+        return outcomes, verify_s
+
+    def verify_batch(self, rounds: dict[str, RoundInFlight], before_verdicts=None
+                     ) -> tuple[dict[str, DeviceOutcome], float, float]:
+        """ONE batched forward over the drafts of `rounds` (device -> its round in flight; asynchronous rounds
+        mix cycles), `before_verdicts()` if given, then each device's verdict. A draft that cannot be verified
+        costs its device the session, not the others their round. Returns the outcomes, the verification
+        time and when it started. Both round loops verify so."""
+        names = list(rounds)
+        items = [(self.sessions[n].sid, list(self.sessions[n].pending), rounds[n].drafts[n].draft.tokens.tolist())
+                 for n in names]
         tv = time.monotonic()
         logits = self.verifier.verify(items)
         verify_s = time.monotonic() - tv
-        self.controller.observe_verify(sum(cur.schedule[n].draft_len + 1 for n in present), verify_s)
+        self.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names), verify_s)
+        if before_verdicts is not None:
+            before_verdicts()
         outcomes = {}
-        for name, lg in zip(present, logits):
+        for name, lg in zip(names, logits):
+            cur = rounds[name]
             try:
                 outcomes[name] = self._decide(cur, name, lg)
             except Exception as exc:  # one device's data must not cost the others their round
@@ -825,7 +822,7 @@ class EdgeServer:
                 self._drop_session(name, "its draft could not be verified")
                 continue
             self._observe(cur, name, outcomes[name])
-        return outcomes, verify_s
+        return outcomes, verify_s, tv
 
     def _decide(self, cur: RoundInFlight, name: str, logits: np.ndarray) -> DeviceOutcome:
         """Accept/reject for one device and send the verdict: the token (bonus, or a UL-mode correction made
@@ -927,25 +924,36 @@ class EdgeServer:
                                   "edge_phases_s": edge_phases(cur, verify_s, t_end, self._last_round_end),
                                   **({"link_probes": self.prober.take_log()} if self.prober is not None else {}),
                                   "joined": sorted(set(self.sessions) - set(cur.schedule) - set(rp.sat_out))})
-        if outcomes and len(outcomes) == len(cur.schedule):
-            # T_0 is fitted in the record's time base: with a virtual channel, the virtual round time.
-            self.controller.observe_round(rec["measured"]["round_s"], rp.plan["round_time_s"],
-                                          rp.scenario.round_overhead_s)
+        # T_0 is fitted on full rounds, in the record's time base (with a virtual channel, the virtual round time).
+        full = bool(outcomes) and len(outcomes) == len(cur.schedule)
+        self.keep_record(rec, fit_round=(rp.plan["round_time_s"], rp.scenario.round_overhead_s) if full else None)
+        self._last_round_end = t_end
+        cur.drafts = {}  # the round's q rows are no longer needed; late drafts are refused by `closed`
+        for name in outcomes:
+            self.finish_if_done(name)
+        return rec
+
+    def keep_record(self, rec: dict, fit_round: tuple[float, float] | None) -> None:
+        """A closed round's (or cycle's) record: fit the round overhead T_0 on it if `fit_round` (predicted
+        round time, prior T_0), feed the energy and outcome estimates, write it (a crash or Ctrl-C after this
+        keeps it), count it. Both round loops keep their records so."""
+        if fit_round is not None:
+            self.controller.observe_round(rec["measured"]["round_s"], *fit_round)
         self.controller.observe_energy(rec)  # measured UL air times: the energy budgets' margins
         self.controller.observe_outcome(rec)  # what the policy sees of this round next time
         if self.recorder is not None:
             self.recorder.append_round(rec)
         self.rounds_done += 1
         self.last_record = rec
-        self._last_round_end = t_end
-        cur.drafts = {}  # the round's q rows are no longer needed; late drafts are refused by `closed`
-        for name in outcomes:
-            s = self.sessions.get(name)
-            if s is not None and self.max_new_tokens and len(s.output_ids) >= self.max_new_tokens:
-                s.done = True
-                self.verifier.close(s.sid)  # it drafts no more: free its KV cache now, keep its outputs
-                self._send(name, M.done(f"generated {len(s.output_ids)} tokens"))
-        return rec
+
+    def finish_if_done(self, name: str) -> None:
+        """A session that has its max_new_tokens drafts no more: free its KV cache now (its outputs are
+        kept) and tell the device."""
+        s = self.sessions.get(name)
+        if s is not None and self.max_new_tokens and len(s.output_ids) >= self.max_new_tokens and not s.done:
+            s.done = True
+            self.verifier.close(s.sid)
+            self._send(name, M.done(f"generated {len(s.output_ids)} tokens"))
 
     def _virtual_round(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome], t_end: float) -> dict:
         """The round on the virtual clock (`controller.virtual_round`) from this round's edge-clock stamps.

@@ -100,6 +100,15 @@ class DirectionEstimate:
         return max(times, default=None)
 
 
+def next_sweep_size(size: int, rtt_s: float, target_s: float, max_bytes: int) -> int | None:
+    """A size sweep's growth (`multispin channel probe`, the edge's `edge_node.probing`): the size after `size`
+    took `rtt_s`, or None when the growth is over (`target_s` or `max_bytes` reached)."""
+    if rtt_s >= target_s or size >= max_bytes:
+        return None
+    # Jump by the shortfall (x2..x16): few steps from tiny sizes, little overshoot near the target.
+    return min(max_bytes, int(size * min(16.0, max(2.0, 0.8 * target_s / max(rtt_s, 1e-6)))))
+
+
 def _group_minima(samples: list[tuple[int, float]]) -> dict[int, tuple[int, float]]:
     """Size group -> its fastest message among the group's latest GROUP_RECENT: robust to one late message,
     and it follows a link whose rate changed (a tbf limit lowered mid-run) within that many messages."""

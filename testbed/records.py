@@ -269,7 +269,7 @@ class RunRecorder:
         """Best effort, for a run that stopped: summary.json and meta.json say how. Never raises (the error
         that stopped the run is the one to report); a failed write is logged."""
         summary = {"rounds": 0, **(summary or {}), "status": status, "reason": reason}
-        for write in (self.sync, lambda: self.write_summary(summary),
+        for write in (lambda: self.write_summary(summary),  # each fsyncs the logs first (`_write`)
                       lambda: self.update_meta(status=status, reason=reason, ended_utc=_now(), **meta)):
             try:
                 write()

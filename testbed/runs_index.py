@@ -164,7 +164,7 @@ def run_info(path: str | Path, label: str | None = None, fresh: bool = False) ->
     measured, predicted = goodput_of(summary)
     return RunInfo(path=path, label=label or path.name, stamp=stamp, profile=prof.get("name"),
                    policy=summary.get("policy") or prof.get("policy"),
-                   channel=(prof.get("channel") or {}).get("mode") if isinstance(prof.get("channel"), dict) else None,
+                   channel=prof["channel"].get("mode") if isinstance(prof.get("channel"), dict) else None,
                    seed=prof.get("seed"), status=status,
                    reason=meta.get("reason") or summary.get("reason"), rounds=int(summary.get("rounds") or 0),
                    rounds_planned=prof.get("rounds"), measured_tps=measured, predicted_tps=predicted,

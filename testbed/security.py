@@ -13,7 +13,7 @@ host. A ZAP handler admits only the authorized keys and stamps every message wit
 ``User-Id`` property): a node refuses a message whose routing identity is not the name its key is bound
 to, so a listed key cannot speak for another device. A server socket may admit only some clients (`make_server`
 `admit`: the edge behind an emulator admits only ``channel``). `RateLimiter` is the per-identity message limit the
-edge and the emulator share.
+edge and the emulator share, `LogThrottle` their bounded log of peers' bad messages.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,3 +284,31 @@ class RateLimiter:
         """Forget the buckets full again (quiet for a second): the same as never seen."""
         for ident in [i for i, (t, at) in self.buckets.items() if t + (now - at) * self.rate >= self.rate]:
             del self.buckets[ident]
+
+
+class LogThrottle:
+    """At most `burst` warnings a second about peers' messages (a flood must not fill the disk); the rest are
+    counted by reason and said in one line once the second is over. The owner calls `flush` from its periodic
+    tick too, so that a flood that stops is still reported."""
+
+    def __init__(self, logger: logging.Logger, burst: int, what: str):
+        self.logger, self.burst, self.what = logger, burst, what
+        self.start, self.logged, self.suppressed = 0.0, 0, Counter()
+
+    def warn(self, now: float, reason: str, msg: str, *args) -> None:
+        """Log `msg % args` if this second's burst allows, else count it under `reason`."""
+        self.flush(now)
+        if self.logged < self.burst:
+            self.logged += 1
+            self.logger.warning(msg, *args)
+        else:
+            self.suppressed[reason] += 1
+
+    def flush(self, now: float) -> None:
+        """A second after the window opened: say how many were not logged, by reason; open a new window."""
+        if now - self.start < 1.0:
+            return
+        if self.suppressed:
+            self.logger.warning("%d more %s were not logged (%s)", self.suppressed.total(), self.what,
+                                ", ".join(f"{k}: {v}" for k, v in self.suppressed.most_common()))
+        self.start, self.logged, self.suppressed = now, 0, Counter()

@@ -213,10 +213,11 @@ def load_resume(run_dir: str | Path) -> tuple[Profile, Resume]:
 
 def _prior_outputs(run_dir: Path) -> dict[str, dict]:
     """Token ids per device so far: the progress log (every round) or else outputs.json (end of the run)."""
-    for name, pick in (("progress", lambda d: d.get("devices")), ("outputs.json", lambda d: d)):
+    for read in (lambda: (load_progress(run_dir) or {}).get("devices"),
+                 lambda: json.loads((run_dir / "outputs.json").read_text())):
         try:
-            data = pick(load_progress(run_dir) if name == "progress" else json.loads((run_dir / name).read_text()))
-        except (OSError, json.JSONDecodeError, AttributeError):
+            data = read()
+        except (OSError, json.JSONDecodeError):
             continue
         if isinstance(data, dict):
             return {n: {k: d.get(k, [] if k == "output_ids" else 0)

@@ -187,7 +187,7 @@ def test_a_reaped_identity_leaves_nothing_behind_but_a_configured_links_stats(be
     stats = ctl.stats()
     assert b.proxy.counters["reaped"] == 10 and len(b.proxy.dealers) == 3
     assert set(stats["links"]) == {"keep", "x9", "x10", "x11"}  # the configured link keeps its stats
-    assert len(b.proxy.last_seen) == len(b.proxy.allowance) == 3 and len(b.proxy.held_on_link) <= 6
+    assert len(b.proxy.last_seen) == len(b.proxy.limiter.buckets) == 3 and len(b.proxy.held_on_link) <= 6
 
 
 def test_refused_identities_keep_nothing_and_their_warnings_are_throttled(bench, caplog):
@@ -205,7 +205,7 @@ def test_refused_identities_keep_nothing_and_their_warnings_are_throttled(bench,
         while b.proxy.counters["refused_identity"] < 300 and time.monotonic() < deadline:
             time.sleep(0.02)
     assert b.proxy.counters["refused_identity"] == 300
-    assert not b.proxy.last_seen and not b.proxy.allowance and not b.proxy.dealers
+    assert not b.proxy.last_seen and not b.proxy.limiter.buckets and not b.proxy.dealers
     lines = [r for r in caplog.records if "routing_id" in r.getMessage()]
     assert LOG_BURST <= len(lines) <= 2 * LOG_BURST  # at most LOG_BURST a second
 

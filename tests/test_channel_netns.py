@@ -142,6 +142,14 @@ def test_link_probe_measures_tbf_limited_rates_in_each_direction(veth):
     up_shaper = TcShaper(veth.if_b, netns=veth.ns_b, qdisc="tbf")  # the client's egress: its uplink
     down_shaper = TcShaper(veth.if_a, netns=veth.ns_a, qdisc="tbf")  # the server's egress: the downlink
     rows, failures = [], []
+
+    def probe(target_s: str, repeats: str, budget_s: str) -> subprocess.CompletedProcess:
+        """One `multispin channel probe --json` sweep from namespace b."""
+        return subprocess.run(veth.exec_args(veth.ns_b, sys.executable, "-m", "testbed.cli", "channel", "probe",
+                                             "--connect", f"tcp://{veth.addr_a}:5700", "--json", "--target-s",
+                                             target_s, "--repeats", repeats, "--budget-s", budget_s),
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+
     try:
         assert "link probe server" in server.stderr.readline()
         # 4 Mbit/s at the lowest: at 2 Mbit/s (tbf's burst then at its 3200-byte floor) some veth pairs read
@@ -156,14 +164,8 @@ def test_link_probe_measures_tbf_limited_rates_in_each_direction(veth):
                     shaper.set_rate(rate)
                 # A discarded warm-up probe first: the sweep right after tbf is replaced with a lower rate
                 # reads about -40% (seen at 20 -> 2 Mbit/s, every time), before the new qdisc settles.
-                subprocess.run(veth.exec_args(veth.ns_b, sys.executable, "-m", "testbed.cli", "channel", "probe",
-                                              "--connect", f"tcp://{veth.addr_a}:5700", "--json", "--target-s",
-                                              "0.1", "--repeats", "1", "--budget-s", "3"),
-                               cwd=ROOT, capture_output=True, text=True, timeout=60)
-                out = subprocess.run(veth.exec_args(veth.ns_b, sys.executable, "-m", "testbed.cli", "channel",
-                                                    "probe", "--connect", f"tcp://{veth.addr_a}:5700", "--json",
-                                                    "--target-s", "0.2", "--repeats", "2", "--budget-s", "8"),
-                                     cwd=ROOT, capture_output=True, text=True, timeout=60)
+                probe("0.1", "1", "3")
+                out = probe("0.2", "2", "8")
                 assert out.returncode == 0, out.stderr
                 res = json.loads(out.stdout)
                 mss = res["tcp_mss"] or 1448

@@ -184,22 +184,28 @@ def _wait_registered(server, names, timeout_s=10.0):
     assert server.wait_for_devices(list(names), timeout_s) == []
 
 
-def test_a_refused_draft_does_not_hold_up_the_round(ipc, tmp_path, started):
-    recorder = RunRecorder(tmp_path / "run")
+def _rounds_without_dev1(ipc, started, behaviour, rounds, recorder=None):
+    """`rounds` rounds of an honest dev0 beside a dev1 of `behaviour` that misses every one: each round goes on
+    without dev1 at once, not at the 3 s deadline. The (closed) server and dev1."""
     server = make_server(ipc, deadline_s=3.0, recorder=recorder)
     try:
         started(ipc, "dev0")
-        bad = started(ipc, "dev1", behaviour="bad_draft")
+        dev1 = started(ipc, "dev1", behaviour=behaviour)
         _wait_registered(server, ["dev0", "dev1"])
-        records = server.run(6)
+        records = server.run(rounds)
     finally:
         server.close()
-        recorder.close()
-    assert len(records) == 6
+        if recorder is not None:
+            recorder.close()
+    assert len(records) == rounds
     for rec in records:
         assert rec["missed"] == ["dev1"] and not rec["devices"]["dev0"]["missed"]
-        # The round ended when dev1's draft was refused, not at the 3 s deadline.
         assert rec["measured"]["round_s"] < 0.5, rec["measured"]["round_s"]
+    return server, dev1
+
+
+def test_a_refused_draft_does_not_hold_up_the_round(ipc, tmp_path, started):
+    server, bad = _rounds_without_dev1(ipc, started, "bad_draft", 6, RunRecorder(tmp_path / "run"))
     assert server.refusals["invalid"] >= 6 and bad.dropped >= 6
     assert any("draft.mode" in e for e in bad.errors)
 
@@ -207,18 +213,7 @@ def test_a_refused_draft_does_not_hold_up_the_round(ipc, tmp_path, started):
 def test_a_device_that_refuses_its_schedule_does_not_hold_up_the_round(ipc, started):
     # A device that holds an unverified draft refuses the next schedule with an error naming the round: the
     # round goes on without it at once, not at the deadline, and the device stays in the run.
-    server = make_server(ipc, deadline_s=3.0)
-    try:
-        started(ipc, "dev0")
-        refuser = started(ipc, "dev1", behaviour="refuse_schedule")
-        _wait_registered(server, ["dev0", "dev1"])
-        records = server.run(5)
-    finally:
-        server.close()
-    assert len(records) == 5
-    for rec in records:
-        assert rec["missed"] == ["dev1"] and not rec["devices"]["dev0"]["missed"]
-        assert rec["measured"]["round_s"] < 0.5, rec["measured"]["round_s"]
+    server, refuser = _rounds_without_dev1(ipc, started, "refuse_schedule", 5)
     assert "dev1" in server.sessions and server.device_errors == {} and refuser.dropped >= 5
 
 

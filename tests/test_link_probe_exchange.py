@@ -5,6 +5,7 @@ answering probes, and a live loopback run whose records carry probe estimates fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -366,13 +367,27 @@ def test_a_session_that_ends_stops_its_sweep(clock):
 
 # --- a real device process --------------------------------------------------------------------------------
 
-def test_a_device_echoes_probes_at_once_and_refuses_an_oversized_reply(micro_pair, tmp_path):
+@contextlib.contextmanager
+def _device(micro_pair, tmp_path):
+    """A real device process (its log: tmp_path/device.log) and the `FakeEdge` it connects to; after the body
+    the edge says `done`, and the device must exit OK without a traceback. Stopped by its pid whatever happens."""
     ep = f"ipc://{tmp_path}/edge"
     edge = FakeEdge(ep)
     log_path = tmp_path / "device.log"
     proc = start_device(micro_pair, ep, log_path)
-    skip = (P.HEARTBEAT, P.TX_START)
     try:
+        yield edge
+        edge.send(M.done("test over"))
+        assert proc.wait(20) == ExitCode.OK
+    finally:
+        stop(proc)
+        edge.close()
+    assert "Traceback" not in log_path.read_text()
+
+
+def test_a_device_echoes_probes_at_once_and_refuses_an_oversized_reply(micro_pair, tmp_path):
+    skip = (P.HEARTBEAT, P.TX_START)
+    with _device(micro_pair, tmp_path) as edge:
         edge.register()
         t0 = time.monotonic()
         edge.send(M.probe(1, 0, np.zeros(200_000, np.uint8)))
@@ -388,13 +403,7 @@ def test_a_device_echoes_probes_at_once_and_refuses_an_oversized_reply(micro_pai
         edge.send(M.probe(5, 10))
         e = _parse_recv(edge, skip)
         assert (e.id, e.pad_bytes) == (5, 10)
-        edge.send(M.done("test over"))
-        assert proc.wait(20) == ExitCode.OK
-    finally:
-        stop(proc)
-        edge.close()
-    text = log_path.read_text()
-    assert "Traceback" not in text
+    text = (tmp_path / "device.log").read_text()
     assert f"probe.reply_bytes: {M.MAX_PROBE_BYTES + 1} is not allowed; must be an integer in 0..{M.MAX_PROBE_BYTES}" \
         in text
     assert "probe.pad: ('float64', (3,)) is not allowed" in text
@@ -407,11 +416,7 @@ def _parse_recv(edge, skip):
 
 
 def test_a_device_refuses_a_probe_before_its_session(micro_pair, tmp_path):
-    ep = f"ipc://{tmp_path}/edge"
-    edge = FakeEdge(ep)
-    log_path = tmp_path / "device.log"
-    proc = start_device(micro_pair, ep, log_path)
-    try:
+    with _device(micro_pair, tmp_path) as edge:
         h, _ = edge.recv()
         assert h["type"] == "register"
         edge.send(M.probe(1, 10))  # while registering: not answered
@@ -420,11 +425,6 @@ def test_a_device_refuses_a_probe_before_its_session(micro_pair, tmp_path):
         edge.send(M.probe(2, 10))
         e = _parse_recv(edge, (P.HEARTBEAT, P.TX_START, P.REGISTER))
         assert e.id == 2
-        edge.send(M.done("test over"))
-        assert proc.wait(20) == ExitCode.OK
-    finally:
-        stop(proc)
-        edge.close()
 
 
 # --- a live run on the loopback -------------------------------------------------------------------------

@@ -72,10 +72,7 @@ def test_the_edge_estimates_a_tbf_limited_uplink_from_a_live_run(micro_pair, vet
         assert edge.returncode == 0, out
         device.communicate(timeout=30)
     finally:
-        for p in (edge, device):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=10)
+        _stop(edge, device)
     (run_dir,) = list(runs.iterdir())
     meta, records = load_run(run_dir)
     assert meta["status"] == "complete" and meta["channel_mode"] == "passthrough"
@@ -123,6 +120,14 @@ def _start(veth, profile: dict, tmp_path: Path, micro_pair) -> tuple[subprocess.
     return edge, device, runs
 
 
+def _stop(*procs: subprocess.Popen) -> None:
+    """Stop the processes this test started (by their pid) that are still running."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            p.wait(timeout=10)
+
+
 def _rounds_so_far(runs: Path) -> int:
     files = list(runs.glob("*/rounds.jsonl"))
     return files[0].read_text().count("\n") if files else 0
@@ -168,10 +173,7 @@ def test_the_optimizer_moves_a_device_between_modes_when_the_tbf_limit_changes_m
             out, _ = edge.communicate(timeout=300)
             device_log = device.communicate(timeout=30)[1]
         finally:
-            for p in (edge, device):
-                if p.poll() is None:
-                    p.terminate()
-                    p.wait(timeout=10)
+            _stop(edge, device)
         if edge.returncode == 0 or attempt == 2 or "was silent for" not in device_log:
             break
     assert edge.returncode == 0, out[-3000:] + "\ndevice:\n" + device_log[-3000:]
@@ -219,10 +221,7 @@ def test_the_registration_probes_measure_both_tbf_limited_directions_before_the_
         device_log = device.communicate(timeout=30)[1]
         assert edge.returncode == 0, out[-3000:] + "\ndevice:\n" + device_log[-3000:]
     finally:
-        for p in (edge, device):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=10)
+        _stop(edge, device)
     (run_dir,) = list(runs.iterdir())
     meta, records = load_run(run_dir)
     assert meta["status"] == "complete"

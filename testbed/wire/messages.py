@@ -496,11 +496,7 @@ class WireRows:
     @classmethod
     def checked(cls, arr: np.ndarray, vocab_size: int, *, name: str) -> WireRows:
         """`P.from_wire`'s checks in its order and with its messages, on the float16 bits and float64 sums."""
-        if arr.shape[-1] < vocab_size:
-            raise ProtocolError(f"{name} has {arr.shape[-1]} entries, fewer than the vocabulary {vocab_size}")
-        if arr.shape[-1] > vocab_size and np.any(arr[..., vocab_size:]):
-            raise ProtocolError(f"{name} has non-zero mass beyond the vocabulary size {vocab_size}")
-        rows = arr[..., :vocab_size]
+        rows = P.vocab_rows(arr, vocab_size, name=name)
         bits = rows.view(np.uint16)
         # Exact for a row that passes (its values are below 1.01: partial sums are multiples of 2**-24 below
         # 2); a row far off is refused whatever the order of its sum. A NaN or an infinity (exponent bits all
@@ -511,11 +507,7 @@ class WireRows:
             raise ProtocolError(f"{name}: contains NaN or infinite values")
         if bits.max() > 0x8000:  # the sign bit set on anything but -0.0 (NaNs are out by now)
             raise ProtocolError(f"{name}: contains negative probabilities")
-        err = np.abs(sums - 1.0).reshape(-1)
-        worst = int(np.argmax(err))
-        if err[worst] > P.PROB_SUM_TOLERANCE:
-            raise ProtocolError(f"{name}: row {worst} sums to {float(sums.reshape(-1)[worst]):.6g}; each row must "
-                                f"sum to 1 within {P.PROB_SUM_TOLERANCE}")
+        P.check_sums(name, sums)
         return cls(rows, sums)
 
     def at(self, tokens: np.ndarray) -> np.ndarray:

@@ -522,16 +522,31 @@ def from_wire(arr, vocab_size: int, *, name: str = "distribution", check_padding
 
     from testbed.core.sampling import exact_from_wire
 
-    arr = np.asarray(arr)
-    if arr.shape[-1] < vocab_size:
-        raise ProtocolError(f"{name} has {arr.shape[-1]} entries, fewer than the vocabulary {vocab_size}")
-    if check_padding and arr.shape[-1] > vocab_size and np.any(arr[..., vocab_size:]):
-        raise ProtocolError(f"{name} has non-zero mass beyond the vocabulary size {vocab_size}")
     # Stripped before normalising (the sender normalised over V entries); one float64 copy serves the check
     # and exact_from_wire (which takes a float64 C-ordered array as it is: the same values, the same rows).
-    rows = np.ascontiguousarray(arr[..., :vocab_size], dtype=np.float64)
+    rows = np.ascontiguousarray(vocab_rows(np.asarray(arr), vocab_size, name=name, check_padding=check_padding),
+                                dtype=np.float64)
     check_probs(name, rows)
     return exact_from_wire(rows)
+
+
+def vocab_rows(arr, vocab_size: int, *, name: str, check_padding: bool = True):
+    """`arr`'s first `vocab_size` entries of each row (a view); ProtocolError when it has fewer, or (with
+    `check_padding`) non-zero mass beyond them."""
+    if arr.shape[-1] < vocab_size:
+        raise ProtocolError(f"{name} has {arr.shape[-1]} entries, fewer than the vocabulary {vocab_size}")
+    if check_padding and arr.shape[-1] > vocab_size and arr[..., vocab_size:].any():
+        raise ProtocolError(f"{name} has non-zero mass beyond the vocabulary size {vocab_size}")
+    return arr[..., :vocab_size]
+
+
+def check_sums(name: str, sums, tol: float = PROB_SUM_TOLERANCE) -> None:
+    """Each row's float64 sum (`sums`, one per row) is 1 within `tol`, else a ProtocolError naming the worst row."""
+    err = abs(sums - 1.0).reshape(-1)
+    worst = int(err.argmax())
+    if err[worst] > tol:
+        raise ProtocolError(f"{name}: row {worst} sums to {float(sums.reshape(-1)[worst]):.6g}; each row must sum "
+                            f"to 1 within {tol}")
 
 
 def check_probs(name: str, rows, *, tol: float = PROB_SUM_TOLERANCE) -> None:
@@ -547,8 +562,4 @@ def check_probs(name: str, rows, *, tol: float = PROB_SUM_TOLERANCE) -> None:
         raise ProtocolError(f"{name}: contains NaN or infinite values")
     if rows.min() < 0:
         raise ProtocolError(f"{name}: contains negative probabilities")
-    err = np.abs(sums - 1.0).reshape(-1)
-    worst = int(np.argmax(err))
-    if err[worst] > tol:
-        total = float(rows.reshape(-1, rows.shape[-1])[worst].sum())
-        raise ProtocolError(f"{name}: row {worst} sums to {total:.6g}; each row must sum to 1 within {tol}")
+    check_sums(name, sums, tol)

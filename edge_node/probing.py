@@ -23,8 +23,9 @@ When (`Prober`): at a device's registration, a sweep of each direction, before t
 rounds, the refresh of at most one device (`due`): a direction measured (by a sweep or by a large message of
 the rounds) longer ago than `every_s`, or, first, one whose other direction's rate moved by CHANGE_FACTOR
 since it was last measured (a link that changed one way is suspect the other way); when that sweep moves
-its own direction's rate by CHANGE_FACTOR, the device's other direction is swept in the same gap. Refreshes
-take at most `max_time_share` of the time. Sweeps run only between rounds, so no round's messages share the
+its own direction's rate by CHANGE_FACTOR, the device's other direction is swept in the same gap. Age
+refreshes take at most `max_time_share` of the time (every sweep's time counts); a change is swept in the
+next gap whatever the share, as each needs a new move of CHANGE_FACTOR. Sweeps run only between rounds, so no round's messages share the
 link with them; the edge serves every other message meanwhile (`EdgeServer.poll`). The plan uses the more
 recent of the rounds' fit and the latest sweep's (`LinkEstimator.choose`).
 """
@@ -192,7 +193,9 @@ class Prober:
                 ran = True
         now = time.monotonic()
         self._track()
-        sw = self.due(now) if now >= self.refresh_from else None
+        # A change is evidence and is swept at once; only the age refreshes wait for the time share (a change
+        # sweep made early in a run held the next one back for 19x its time, past the change it was for).
+        sw = self.due(now, by_age=now >= self.refresh_from)
         if sw is None:
             return ran
         links, other = self.server.links, _other(sw.direction)
@@ -224,11 +227,12 @@ class Prober:
                 if t != self.seen.get(key) or self.ref.get(key) is None:
                     self.seen[key], self.ref[key] = t, links.choose(name, _other(d))[0]
 
-    def due(self, now: float) -> Sweep | None:
+    def due(self, now: float, by_age: bool = True) -> Sweep | None:
         """The one direction to refresh in this gap, or None: one whose other direction's rate moved by
-        CHANGE_FACTOR since it was last measured ("change", first), else the one measured longest ago
-        beyond `every_s` ("age"; by the rounds' large messages, a sweep, or a sweep that could not tell)."""
-        every = self.settings.every_s
+        CHANGE_FACTOR since it was last measured ("change", first), else (when `by_age`) the one measured
+        longest ago beyond `every_s` ("age"; by the rounds' large messages, a sweep, or a sweep that could
+        not tell)."""
+        every = self.settings.every_s if by_age else None
         links, best, best_key = self.server.links, None, None
         for name in sorted(self.server.sessions):
             s = self.server.sessions[name]

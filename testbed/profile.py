@@ -55,8 +55,9 @@ class RateProbeSettings(_Strict):
     target_s: float = Field(default=0.1, gt=0, le=10, description="sizes grow until a round trip takes this")
     min_bytes: int = Field(default=1024, ge=1, description="the sweep's first size")
     max_bytes: int = Field(default=2**18, ge=1, le=MAX_PROBE_BYTES, description="the sweep's largest size")
-    max_time_share: float = Field(default=0.05, gt=0, le=1, description="refresh sweeps' share of the time at "
-                                                                         "most (registration sweeps not counted)")
+    max_time_share: float = Field(default=0.05, gt=0, le=1, description="age refreshes' share of the time at "
+                                                                         "most (registration and change sweeps "
+                                                                         "not held to it)")
 
     @model_validator(mode="after")
     def _sizes(self):

@@ -342,6 +342,26 @@ def test_a_change_in_one_direction_re_probes_the_other_then_both_when_the_sweep_
     assert srv.links.choose("d", "dl")[0] == pytest.approx(4e6, rel=0.02)
 
 
+def test_a_change_is_swept_at_once_even_right_after_a_refresh(clock):
+    """The CI failure: a change sweep early in the run held the next refresh back for 19x its time, so the
+    real change that came later was never swept and the plan kept the device in DL mode to the end."""
+    prober, srv = _prober(clock, SimLink(40e6, 4e6), every_s=30.0)
+    prober.on_register("d", "d#0")
+    _gap(prober)
+    clock.t += 31.0
+    _rounds(srv.links, "d", "dl", 40e6, t=clock.t)  # a DL-mode device: the rounds keep its downlink fresh
+    assert _gap(prober) == [("ul", "age")]  # an age refresh: the share limit now holds the next one back
+    assert prober.refresh_from > clock.t + 1.0
+    srv.link.dl, srv.link.ul = 4e6, 40e6
+    for _ in range(4):
+        _rounds(srv.links, "d", "dl", 4e6, t=clock.t)
+    assert clock.t < prober.refresh_from and _gap(prober) == [("ul", "change"), ("dl", "change")]
+    assert srv.links.choose("d", "ul")[0] == pytest.approx(40e6, rel=0.02)
+    # ... and no age refresh meanwhile: the next gap within the share limit sweeps nothing
+    clock.t += 1.0
+    assert clock.t < prober.refresh_from and _gap(prober) == []
+
+
 def test_a_ul_mode_devices_downlink_is_re_probed_when_its_uplink_changes(clock):
     prober, srv = _prober(clock, SimLink(40e6, 4e6), every_s=30.0)
     prober.on_register("d", "d#0")

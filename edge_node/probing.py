@@ -25,9 +25,9 @@ the rounds) longer ago than `every_s`, or, first, one whose other direction's ra
 since it was last measured (a link that changed one way is suspect the other way); when that sweep moves
 its own direction's rate by CHANGE_FACTOR, the device's other direction is swept in the same gap. Age
 refreshes take at most `max_time_share` of the time (every sweep's time counts); a change is swept in the
-next gap whatever the share, as each needs a new move of CHANGE_FACTOR. Sweeps run only between rounds, so no round's messages share the
-link with them; the edge serves every other message meanwhile (`EdgeServer.poll`). The plan uses the more
-recent of the rounds' fit and the latest sweep's (`LinkEstimator.choose`).
+next gap whatever the share, as each needs a new move of CHANGE_FACTOR. Sweeps run only between rounds, so
+no round's messages share the link with them; the edge serves every other message meanwhile
+(`EdgeServer.poll`). The plan uses the more recent of the rounds' fit and the latest sweep's (`LinkEstimator.choose`).
 """
 
 from __future__ import annotations

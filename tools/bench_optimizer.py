@@ -23,12 +23,11 @@ from pathlib import Path
 import numpy as np
 from bench_common import interleaved_medians  # tools/ is on sys.path when a script here runs
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from testbed.core.optimizer import plan
+from testbed.core.scenario import DropSpec, Scenario, ScenarioError
+from testbed.core.simulate import draw_devices
 
-from testbed.core.optimizer import plan  # noqa: E402
-from testbed.core.scenario import DropSpec, Scenario, ScenarioError  # noqa: E402
-from testbed.core.simulate import draw_devices  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (git revisions), not an import path
 
 BUDGET_S = 0.100                           # the live controller's plan budget at N = 128
 TARGETS_S = {128: 0.015, 512: 0.100}       # issue 12

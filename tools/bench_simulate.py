@@ -23,14 +23,11 @@ from pathlib import Path
 
 from bench_common import interleaved_medians  # tools/ is on sys.path when a script here runs
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from testbed import PROFILES_DIR  # noqa: E402
-from testbed.commands.simulate import process_map  # noqa: E402
-from testbed.core.optimizer import plan  # noqa: E402
-from testbed.core.simulate import DEFAULT_POLICIES, parse_sweep, point_scenario, run_sweep  # noqa: E402
-from testbed.scenario_file import load_scenario  # noqa: E402
+from testbed import PROFILES_DIR
+from testbed.commands.simulate import process_map
+from testbed.core.optimizer import plan
+from testbed.core.simulate import DEFAULT_POLICIES, parse_sweep, point_scenario, run_sweep
+from testbed.scenario_file import load_scenario
 
 
 def _cpu_s() -> float:

@@ -92,28 +92,33 @@ def write_csv(rows: list[dict], path: str | Path) -> int:
     return len(rows)
 
 
+PARQUET_MISSING = ("--parquet needs pyarrow: pip install 'multispin-testbed[parquet]' (or pip install pyarrow); "
+                   "--csv writes the same table")
+
+
+def _arrow_column(pa, values: list):
+    """One column as an Arrow array: its own type where the values share one (None as null), else text
+    (a column mixing, say, numbers and words keeps every value, as the CSV does)."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([None if v is None else str(v) for v in values], type=pa.string())
+
+
 def write_parquet(rows: list[dict], path: str | Path) -> int:
-    """The same table as Parquet, with pyarrow (or pandas with a Parquet engine); a clear error without."""
-    cols = columns(rows)
-    table = {c: [r.get(c) for r in rows] for c in cols}
+    """The same table as write_csv's (same columns in the same order, one row per device per round) as
+    Parquet, with pyarrow (the `parquet` extra); a clear error without it. Returns the number of rows."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        pa = None
+        raise TestbedError(PARQUET_MISSING) from None
+    cols = columns(rows)
+    table = pa.table({c: _arrow_column(pa, [r.get(c) for r in rows]) for c in cols})
+    path = Path(path)
     try:
-        if pa is not None:
-            pq.write_table(pa.table(table), str(path))
-            return len(rows)
-        try:
-            import pandas as pd
-        except ImportError:
-            raise TestbedError("--parquet needs pyarrow (pip install pyarrow), not installed here; "
-                               "--csv writes the same table") from None
-        try:
-            pd.DataFrame(table, columns=cols).to_parquet(path)
-        except ImportError as exc:  # pandas without pyarrow or fastparquet
-            raise TestbedError(f"--parquet: {exc}; pip install pyarrow, or use --csv") from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, str(path))
     except OSError as exc:
         raise TestbedError(f"{path}: cannot write: {exc.strerror or exc}") from None
     return len(rows)

@@ -1,7 +1,8 @@
 """Plots of a simulator sweep (matplotlib, Agg backend): goodput per policy, UL devices, Monte Carlo.
 
 Drawn for a paper: the swept quantity with its symbol and unit on the x-axis (bandwidths in MHz), integer
-ticks for integer keys, the number of drops in the titles, and Monte Carlo points with 95% error bars.
+ticks for integer keys, the number of drops in the titles, each policy's spread over the drops as error bars
+(min to max, the policies set side by side at each swept value), and Monte Carlo points with 95% error bars.
 """
 
 from __future__ import annotations
@@ -77,18 +78,50 @@ def _mc_ci95(rows: list[dict], policy: str, xs) -> np.ndarray | None:
 
 
 def _sweep_ticks(ax, key: str, rows: list[dict]) -> None:
-    """On a log axis, ticks at the swept values written plainly (2, 5, 10 MHz, not 10^0 and 10^1)."""
-    if key not in _LOG_KEYS:
-        return
+    """Ticks at the swept values written plainly (2, 5, 10 MHz, not 10^0 and 10^1) on a log axis, and on a
+    linear one with a dozen values or fewer (the policies' points sit side by side around them)."""
     from matplotlib.ticker import NullLocator
 
     xs = _x(key, sorted({r["value"] for r in rows}))
+    if key not in _LOG_KEYS and len(xs) > 12:
+        return
     ax.set_xticks(xs, [f"{v:g}" for v in xs])
     ax.xaxis.set_minor_locator(NullLocator())
 
 
 def _x(key, xs):
     return np.asarray(xs, float) * AXES.get(key, (key, 1.0))[1]
+
+
+def _spread_note(drops: int) -> str:
+    return " (bars: min to max)\npolicies drawn side by side around each swept value" if drops > 1 else ""
+
+
+def _dodge(key: str, rows: list[dict], n: int):
+    """shift(i, xs): the sweep values moved a little sideways for the i-th of n policies, so that their error
+    bars stand side by side instead of on one another (all within 22% of the smallest gap between swept
+    values; a constant factor on a log axis)."""
+    xs = np.unique(_x(key, [r["value"] for r in rows]))
+    log = key in _LOG_KEYS
+    if log:
+        xs = np.log10(xs[xs > 0]) if np.any(xs > 0) else xs
+    gaps = np.diff(xs)
+    gap = gaps.min() if gaps.size and gaps.min() > 0 else (0.3 if log else max(abs(xs[0]) * 0.3, 1.0))
+    step = 0.22 * gap / max(n - 1, 1)
+
+    def shift(i: int, x):
+        d = (i - (n - 1) / 2) * step
+        return np.asarray(x, float) * 10 ** d if log else np.asarray(x, float) + d
+
+    return shift
+
+
+def _spread(ax, x, m, lo, hi, policy: str, drops: int):
+    """One policy: the mean over drops (line and markers) with a bar from the lowest to the highest drop."""
+    style = dict(lw=2.4, zorder=5) if policy == "proposed" else dict(lw=1.2, zorder=3)  # on top of ties
+    yerr = np.vstack([m - lo, hi - m]) if drops > 1 else None
+    return ax.errorbar(x, m, yerr=yerr, marker="o", ms=3.5, capsize=2, capthick=0.9, elinewidth=0.9,
+                       label=policy, **style)
 
 
 def plot_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -104,12 +137,12 @@ def plot_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
     drops = len({r["drop"] for r in rows})
     paths = []
 
+    groups = _grouped(rows, "goodput_tps")
     fig, ax = _axes(key, "goodput (tokens/s)",
-                    f"Goodput vs {axis_label(key).split(' (')[0]}: mean over {drops} drops (band: min to max)")
-    for policy, (xs, m, lo, hi) in _grouped(rows, "goodput_tps").items():
-        style = dict(lw=2.5, zorder=5) if policy == "proposed" else dict(lw=1.3)  # on top of ties
-        line, = ax.plot(_x(key, xs), m, marker="o", ms=3, label=policy, **style)
-        ax.fill_between(_x(key, xs), lo, hi, color=line.get_color(), alpha=0.12)
+                    f"Goodput vs {axis_label(key).split(' (')[0]}: mean over {drops} drops{_spread_note(drops)}")
+    shift = _dodge(key, rows, len(groups))
+    for i, (policy, (xs, m, lo, hi)) in enumerate(groups.items()):
+        _spread(ax, shift(i, _x(key, xs)), m, lo, hi, policy, drops)
     ax.legend(fontsize=8)
     _sweep_ticks(ax, key, rows)
     fig.tight_layout()
@@ -118,13 +151,14 @@ def plot_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = _axes(key, "UL-mode devices $K$",
-                    f"Number of UL-mode devices vs {axis_label(key).split(' (')[0]} (mean over {drops} drops)")
+                    f"Number of UL-mode devices vs {axis_label(key).split(' (')[0]} (mean over {drops} drops"
+                    f"{', bars: min to max' if drops > 1 else ''})")
     groups = _grouped(rows, "num_ul_devices")
-    for policy in ("proposed", "proposed-basic", "common-length", "fixed-length", "exhaustive"):
-        if policy in groups:
-            xs, m, lo, hi = groups[policy]
-            line, = ax.plot(_x(key, xs), m, marker="o", ms=3, label=policy, lw=2.5 if policy == "proposed" else 1.3)
-            ax.fill_between(_x(key, xs), lo, hi, color=line.get_color(), alpha=0.12)
+    shown = [p for p in ("proposed", "proposed-basic", "common-length", "fixed-length", "exhaustive") if p in groups]
+    shift = _dodge(key, rows, len(shown))
+    for i, policy in enumerate(shown):
+        xs, m, lo, hi = groups[policy]
+        _spread(ax, shift(i, _x(key, xs)), m, lo, hi, policy, drops)
     if key == "devices":
         xs = np.array(sorted({r["value"] for r in rows}))
         ax.plot(xs, xs, "k:", lw=1, label="$N$ (all UL)")

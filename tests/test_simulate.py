@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,6 +81,50 @@ def test_simulate_command_writes_csv_and_plots(tmp_path, capsys):
     for name in ("goodput.png", "ul_devices.png", "monte_carlo.png"):
         assert (out / name).stat().st_size > 5000
     assert "mean goodput" in capsys.readouterr().out
+
+
+def test_simulate_plots_show_spread_as_side_by_side_error_bars(tmp_path, monkeypatch):
+    """goodput.png and ul_devices.png: one error-bar series per policy (min to max over the drops), set
+    side by side around each swept value, and no shaded min-max bands (they overlapped into one mass)."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.container import ErrorbarContainer
+    from matplotlib.figure import Figure
+
+    from testbed.sim_plots import plot_sweep
+
+    figs = {}
+    save = Figure.savefig
+
+    def keep(self, path, *a, **kw):
+        figs[Path(path).name] = self
+        return save(self, path, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    policies = ["proposed", "all-dl", "all-ul", "common-length"]
+    base = load_scenario(PROFILES / "default.yaml")
+    rows = run_sweep(base, "devices", [3, 6], drops=3, policies=policies, seed=1)
+    plot_sweep(rows, tmp_path)
+    for name, shown in (("goodput.png", policies), ("ul_devices.png", ["proposed", "common-length"])):
+        ax = figs[name].axes[0]
+        assert not [c for c in ax.collections if isinstance(c, PolyCollection)], name
+        bars = {c.get_label(): c for c in ax.containers if isinstance(c, ErrorbarContainer)}
+        assert list(bars) == shown, name
+        xs = [tuple(c.lines[0].get_xdata()) for c in bars.values()]
+        assert len(set(xs)) == len(xs)  # each policy at its own x
+        for x in zip(*xs):  # ... near the swept value, within a quarter of the gap
+            assert max(x) - min(x) < 0.25 * 3 and min(x) < round(np.mean(x)) < max(x)
+        for policy, c in bars.items():  # bars from the lowest to the highest drop
+            metric = "goodput_tps" if name == "goodput.png" else "num_ul_devices"
+            got = {}
+            for r in rows:
+                if r["policy"] == policy:
+                    got.setdefault(r["value"], []).append(r[metric])
+            (segments,) = c.lines[2]
+            spans = np.array([(seg[0][1], seg[1][1]) for seg in segments.get_segments()])
+            want = np.array([(min(got[v]), max(got[v])) for v in sorted(got)])
+            assert spans.ravel() == pytest.approx(want.ravel()), (name, policy)
+        assert "bars: min to max" in ax.get_title()
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["3", "6"]
 
 
 def test_simulate_command_bad_key_is_a_user_error(tmp_path, capsys):

@@ -329,15 +329,62 @@ def test_export_columns_keep_missed_devices():
     w.writerows(rows)  # every row fits the columns
 
 
-def test_parquet_writes_or_says_what_it_needs(runs_dir, capsys):
-    import importlib.util
+def _cells(table) -> list[list[str]]:
+    """A pyarrow table's rows as the CSV writes them (None as an empty cell)."""
+    cols = table.to_pydict()
+    return [["" if v is None else str(v) for v in row] for row in zip(*cols.values())]
 
+
+def test_parquet_is_the_csv_table(runs_dir, tmp_path, capsys):
+    pq = pytest.importorskip("pyarrow.parquet")  # the `parquet` extra; .ci/run installs it
     run = runs_dir / "20250101-100000-proposed"
-    rc = main(["report", str(run), "--parquet"])
-    if importlib.util.find_spec("pyarrow") is not None:
-        assert rc == 0 and (run / "rounds.parquet").stat().st_size > 0
-    else:
-        assert rc == 2 and "pyarrow" in capsys.readouterr().err
+    assert main(["report", str(run), "--csv", "--parquet"]) == 0
+    assert "rounds.parquet: 12 rows (one per device per round)" in capsys.readouterr().out
+    with open(run / "rounds.csv", newline="") as fh:
+        want = list(csv.reader(fh))
+    table = pq.read_table(run / "rounds.parquet")
+    assert table.num_rows == 6 * 2 == len(want) - 1
+    assert table.column_names == want[0]  # same columns, same order
+    assert _cells(table) == want[1:]  # same values, row by row
+    types = {f.name: str(f.type) for f in table.schema}
+    assert types["round"] == "int64" and types["device"] == "string" and types["predicted_draft_s"] == "double"
+    assert table.column("device").to_pylist()[:3] == ["a", "b", "a"]
+    # Several runs into one file: the run column first, as in the CSV.
+    both = [str(run), str(runs_dir / "20250101-110000-all-dl")]
+    out = tmp_path / "export" / "all.parquet"  # a folder that does not exist yet
+    assert main(["report", *both, "--parquet", str(out), "--csv", str(tmp_path / "all.csv")]) == 0
+    with open(tmp_path / "all.csv", newline="") as fh:
+        want = list(csv.reader(fh))
+    table = pq.read_table(out)
+    assert table.column_names[0] == "run" and table.column_names == want[0] and _cells(table) == want[1:]
+    assert table.num_rows == (6 + 4) * 2
+    assert main(["report", str(run), "--parquet", "-"]) == 2 and "binary" in capsys.readouterr().err
+
+
+def test_parquet_keeps_missed_devices_and_mixed_columns(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from testbed.export import write_parquet
+
+    recs = synth_records(2)
+    recs[1]["devices"]["b"] = {**recs[1]["devices"]["b"], "missed": True, "measured": None}
+    rows = device_rows(recs)
+    rows[0]["note"], rows[2]["note"] = 3, "late"  # one column of a number and a word: kept as text
+    assert write_parquet(rows, tmp_path / "r.parquet") == 4
+    table = pq.read_table(tmp_path / "r.parquet")
+    assert table.column_names == columns(rows)
+    assert table.column("missed").to_pylist()[3] is True
+    assert table.column("measured_draft_s").to_pylist()[3] is None
+    assert table.column("note").to_pylist() == ["3", None, "late", None]
+
+
+def test_parquet_without_pyarrow_says_what_to_install(runs_dir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    run = runs_dir / "20250101-100000-proposed"
+    assert main(["report", str(run), "--parquet"]) == 2
+    err = capsys.readouterr().err
+    assert "--parquet needs pyarrow" in err and "multispin-testbed[parquet]" in err and "--csv" in err
+    assert not (run / "rounds.parquet").exists()
 
 
 # -- simulate --out, clear errors ------------------------------------------------------------------------

@@ -37,9 +37,10 @@ modeled deadline), ``mode``, ``link`` ("ul"/"dl"), ``round``, ``dl_access``, ``m
 started the air time). In real mode held_s = queued_s + airtime_s + base_latency_s - lead_s + late_s.
 
 Hardening (a LAN is shared): with a key directory (``keys_dir``, see `testbed.security`) the frontend and the
-control socket are CURVE servers that admit only listed keys, a device's key may only speak under its own
-name, only the ``edge`` client may use the control socket, and the DEALERs to the edge authenticate as
-``channel``. Without keys, a ``control_token`` (passed in the environment, never on the command line) must be
+control socket are CURVE servers that admit only listed keys, a device is the name its key is bound to
+(whatever routing identity its connection chose: devices with keys let ZeroMQ pick one), only the ``edge``
+client may use the control socket, and the DEALERs to the edge authenticate as ``channel``. Without keys, a
+``control_token`` (passed in the environment, never on the command line) must be
 in every control request. Every message is handled under a guard (a bad one is dropped with one log line),
 identities are capped (least recently used idle ones are closed first) and rate-limited, and a message that
 is not charged waits behind the held messages of its own link, so one link's messages stay in order (but a
@@ -82,6 +83,7 @@ from testbed.security import (
     check_identity,
     make_client,
     make_server,
+    sender_name,
     stop_authenticators,
 )
 from testbed.wire.protocol import (
@@ -228,6 +230,7 @@ class ChannelProxy:
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
         self.dealers: dict[bytes, zmq.Socket] = {}
+        self.routes: dict[bytes, bytes] = {}  # with CURVE: a device's name -> its connection's routing identity
         self.dealer_ident: dict[zmq.Socket, bytes] = {}
         self.config = {"round": None, "dl_access": "fdma_equal_split", "base_latency_s": 0.0, "links": {},
                        "lead_s": 0.0, "lead_per_byte_s": 0.0}
@@ -295,6 +298,7 @@ class ChannelProxy:
         """Drop what is kept per identity (it holds no message): a stream of new identities must not grow the
         emulator, nor its `stats` reply (the edge reads it every heartbeat). A configured link keeps its stats."""
         self.last_seen.pop(ident, None)
+        self.routes.pop(ident, None)
         self.limiter.forget(ident)
         for direction in ("ul", "dl"):
             for table in (self.held_on_link, self.link_release, self.markers, self.free_at):
@@ -320,11 +324,16 @@ class ChannelProxy:
     def _from_frontend(self, frames: list, t_arr: float) -> None:
         ident = frames[0].bytes
         if self.secure and len(frames) > 1:
-            why = check_identity(ident.decode("utf-8", "replace"), frames[1])
-            if why is not None:
-                self.counters["impersonation"] += 1
-                self._warn("dropped a message from identity %r: %s", ident, why)
+            # The device is the name its key is bound to, whatever routing identity its connection chose: a
+            # listed key that connected first under another device's name holds nothing of that device's.
+            name = sender_name(frames[1])
+            if not name:
+                self.counters["refused_identity"] += 1
+                self._warn("dropped a message from identity %r: no authenticated name", ident)
                 return
+            if name.encode() != ident:
+                self.routes[name.encode()] = ident  # replies to the name go to this connection
+            ident = name.encode()
         if not self._within_rate(ident, t_arr):
             return
         self.last_seen[ident] = t_arr
@@ -439,7 +448,7 @@ class ChannelProxy:
             if direction == "ul":
                 self.dealers[ident].send_multipart(body, copy=False)
             else:
-                self.frontend.send_multipart([ident, *body], copy=False)
+                self.frontend.send_multipart([self.routes.get(ident, ident), *body], copy=False)
         except (zmq.ZMQError, KeyError) as exc:  # the device left (or was reaped) meanwhile
             self.counters["undeliverable"] += 1
             log.info("could not forward to %r (%s): %s", ident, direction, exc)

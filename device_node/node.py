@@ -100,7 +100,8 @@ class DeviceNode:
         if self.sock is not None:
             self.sock.close(linger=0)
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        if self.keys is None:  # with keys the edge and the emulator name a device after its key, not its routing id
+            sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
         sock.setsockopt(zmq.LINGER, 1000)
         make_client(sock, self.keys)
         sock.connect(self.connect)
@@ -457,7 +458,8 @@ def tell_edge(connect: str, name: str, message: str, keys: ClientKeys | None, wa
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     try:
-        sock.setsockopt(zmq.ROUTING_ID, name.encode())
+        if keys is None:  # with keys the edge knows the device by its key
+            sock.setsockopt(zmq.ROUTING_ID, name.encode())
         make_client(sock, keys)
         sock.connect(connect)
         sock.send_multipart(M.error(message, fatal=True))

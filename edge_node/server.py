@@ -21,8 +21,10 @@ Hardening (a LAN is shared; see docs/wire-protocol.md):
   (its KV cache is freed). Any message of the device counts as a sign of life.
 - Names: ZeroMQ ignores a second connection under a connected name (no ROUTER_HANDOVER); a registration
   under a name whose session is alive is refused ("name in use"); once that session is silent (its device
-  crashed), a new registration takes it over. With CURVE keys (`keys_dir`) only listed keys connect and a
-  key speaks only for its own name (the channel emulator's key forwards for all). With an emulator in between
+  crashed), a new registration takes it over. With CURVE keys (`keys_dir`) only listed keys connect, and a
+  message speaks for the name its key is bound to, whatever routing identity its connection chose (devices
+  with keys let ZeroMQ pick one): a listed key that connects first under another device's name holds
+  nothing of that device's (the channel emulator's key forwards for all). With an emulator in between
   (`channel_mode` not passthrough) only the emulator's key connects: no device skips its air time.
 - Each identity may send `max_msgs_per_s` messages a second (a token bucket with a burst of one second's
   worth, `testbed.security.RateLimiter`, as at the emulator); the rest are dropped before decoding, unanswered
@@ -219,6 +221,7 @@ class EdgeServer:
         self.sock = self._bind(bind, max_array_bytes)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.sessions: dict[str, Session] = {}
+        self.routes: dict[str, bytes] = {}  # with CURVE on a direct link: name -> its connection's routing identity
         self.known = {d.name for d in scenario.devices}
         self._sid = itertools.count()
         self._round: RoundInFlight | None = None  # the latest round, kept after it closes for its late reports
@@ -275,7 +278,7 @@ class EdgeServer:
 
     # -- transport -------------------------------------------------------------------------------
     def _send(self, name: str, frames: list) -> None:
-        self.sock.send_multipart([name.encode(), *frames], copy=False)
+        self.sock.send_multipart([self.routes.get(name) or name.encode(), *frames], copy=False)
         s = self.sessions.get(name)
         if s is not None:
             s.last_sent = time.monotonic()
@@ -328,7 +331,7 @@ class EdgeServer:
             self._refuse(ident, "rate_limited", f"over {self.limiter.rate:g} messages/s; dropped unanswered",
                          answer=False)
             return
-        name = ident.decode("utf-8", "replace")
+        name = self._sender(ident, frames)
         header: dict = {}
         try:
             self._check_sender(name, frames)
@@ -351,6 +354,19 @@ class EdgeServer:
             kind = header.get("type") if header.get("type") in M.MESSAGE_TYPES else "message"
             self._refuse(ident, "internal", f"{kind} could not be handled ({type(exc).__name__}); it was dropped",
                          header.get("round"))
+
+    def _sender(self, ident: bytes, frames: list) -> str:
+        """The name a message speaks for: with CURVE on a direct link, the name its key is bound to, never the
+        routing identity (the peer's own choice: a listed key that connected first under another device's
+        name would hold that name, as ZeroMQ ignores a second connection under it); replies to the name go to
+        the connection its messages last came from (`routes`). Else the routing identity."""
+        key_name = None
+        if self.keys is not None and self.channel_mode == "passthrough" and len(frames) > 1:
+            key_name = security.sender_name(frames[1])
+        if key_name is None or key_name == security.CHANNEL_CLIENT:
+            return ident.decode("utf-8", "replace")
+        self.routes[key_name] = ident  # one entry per listed key at most
+        return key_name
 
     def _check_sender(self, name: str, frames: list) -> None:
         """With CURVE: the routing identity must be the name the sender's key is bound to (or the emulator);
@@ -427,7 +443,8 @@ class EdgeServer:
     def _on_register(self, name: str, header: dict) -> None:
         reg = M.parse_register(header)
         if reg.name != name:
-            raise ProtocolError(f"register.name: {reg.name!r} differs from the socket identity {P.show(name)}")
+            raise ProtocolError(f"register.name: {reg.name!r} differs from the sender's name {P.show(name)} (its "
+                                "routing identity; with CURVE keys, the name its key is bound to)")
         if name not in self.known:
             # The valid names are not listed: they would tell a stranger which names to try.
             raise Refusal("unknown_device", f"register.name: {name!r} is not a device of this profile")

@@ -33,9 +33,11 @@ class FakeEdge:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         make_server(self.sock, keys)
         self.sock.bind(endpoint)
+        self.keys = keys
+        self.ident = NAME.encode()  # with keys the device lets ZeroMQ pick its routing id: the latest sender's
 
     def send(self, frames) -> None:
-        self.sock.send_multipart([NAME.encode(), *frames])
+        self.sock.send_multipart([self.ident, *frames])
 
     def recv(self, timeout_s: float = 20.0, skip=(P.HEARTBEAT,)):
         """The next message of the device whose type is not in `skip`."""
@@ -43,8 +45,13 @@ class FakeEdge:
         while (left := end - time.monotonic()) > 0:
             if not self.sock.poll(int(left * 1000)):
                 break
-            ident, *frames = self.sock.recv_multipart()
-            assert ident == NAME.encode()
+            ident, *frames = self.sock.recv_multipart(copy=False)
+            if self.keys is None:
+                assert ident.bytes == NAME.encode()
+            else:  # the device is the name its key is bound to
+                assert frames[0].get("User-Id") == NAME
+                self.ident = ident.bytes
+            frames = [f.bytes for f in frames]
             header, arrays = P.decode(frames)
             if header["type"] not in skip:
                 return header, arrays

@@ -399,10 +399,26 @@ def test_curve_keys_admit_only_the_key_of_the_name(tmp_path):
 
     try:
         assert ep.startswith("tcp://127.0.0.1:")
-        # dev1's key under the routing id dev0: refused, never processed.
-        h = client("dev0", ClientKeys.for_name(keys, "dev1"))
-        assert h["type"] == "error" and "cannot speak as 'dev0'" in h["message"]
-        assert "dev0" not in server.sessions and server.refusals["identity"] == 1
+        # dev1's key under the routing id dev0, registering as dev0: it speaks for dev1 (its key's name), so
+        # the register is refused, never processed ...
+        h = client("dev0", ClientKeys.for_name(keys, "dev1"), close=False)
+        assert h["type"] == "error" and "register.name: 'dev0' differs from the sender's name 'dev1'" in h["message"]
+        assert "dev0" not in server.sessions and "dev1" not in server.sessions
+        # ... and while it stays connected under the routing id dev0, the real dev0 (ZeroMQ picks its routing
+        # id, as a device with keys does) still registers: a listed key cannot hold another device's name.
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        make_client(s, ClientKeys.for_name(keys, "dev0"))
+        s.connect(ep)
+        sockets.append(s)
+        s.send_multipart(M.register("dev0", V, {}))
+        server.poll(time.monotonic() + 1.0, stop=lambda: s.poll(0))
+        assert s.poll(200) and P.decode_header(s.recv_multipart()[0])["type"] == "registered"
+        assert sorted(server.sessions) == ["dev0"]
+        server._end_session("dev0", "test", notify=False)
+        for sock in sockets:
+            sock.close(linger=0)
+        server.poll(time.monotonic() + 0.1)
         # An unlisted key (with the right server key) never gets past the handshake: no reply at all.
         other = ClientKeys.for_name(tmp_path / "other", "dev0")
         stranger = ClientKeys(other.public, other.secret, ClientKeys.for_name(keys, "dev0").server_public)

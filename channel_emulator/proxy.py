@@ -81,6 +81,7 @@ from testbed.security import (
     RateLimiter,
     ServerKeys,
     check_identity,
+    fd_limit,
     make_client,
     make_server,
     sender_name,
@@ -113,24 +114,6 @@ MAX_CONTROL_REPLY_BYTES = 16 * 1024 * 1024  # stats of many links; still bounded
 
 class ConfigError(ValueError):
     pass
-
-
-def fd_limit(raise_soft: bool = False) -> int | None:
-    """This process's soft limit on open files (None: unlimited, or not POSIX); with `raise_soft`, first
-    raised to the hard limit (at most 2**16), as a process of its own may."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 2**16 if hard == resource.RLIM_INFINITY else min(hard, 2**16)
-    if raise_soft and soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-        except (ValueError, OSError):
-            pass
-    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def identity_budget(max_identities: int, files: int | None) -> int:

@@ -29,6 +29,8 @@ Hardening (a LAN is shared; see docs/wire-protocol.md):
 - Each identity may send `max_msgs_per_s` messages a second (a token bucket with a burst of one second's
   worth, `testbed.security.RateLimiter`, as at the emulator); the rest are dropped before decoding, unanswered
   (`refusals["rate_limited"]`), so one flooding peer costs the others little.
+- Open files: the edge raises its soft limit to the hard one (one file per connection), and closes a
+  connection that has not finished ZeroMQ's handshake within HANDSHAKE_S (a raw TCP peer, a refused key).
 - A channel emulator that stops answering ends the run with a TestbedError (checked between rounds); one
   whose process exited (`channel_exited`, set by whoever started it) ends it within a tick, in rounds too.
 Devices may register (join or rejoin) at any time; they take part from the next round. On a measured real
@@ -93,6 +95,9 @@ WAITED_S = 0.0005
 # Messages handled per `drain` within `poll` before the housekeeping and the deadline are looked at again: a peer
 # that sends faster than the edge reads must not hold the edge in one drain (no heartbeats, no deadline).
 DRAIN_BATCH = 1000
+# A connection that has not finished ZeroMQ's handshake within this is closed (libzmq's default is 30 s): a
+# raw TCP peer, or a key the ZAP handler refuses, must not hold one of the edge's open files for long.
+HANDSHAKE_S = 5.0
 
 
 class Refusal(ProtocolError):
@@ -218,6 +223,9 @@ class EdgeServer:
         # Per routing identity, i.e. per connection (no handover: one connection per name). None: no limit.
         self.limiter = security.RateLimiter(max_msgs_per_s) if max_msgs_per_s is not None else None
         self.ctx = context or zmq.Context.instance()
+        # One open file per connection: up to the hard limit, not the shell's soft one (often 1,024): idle
+        # peers that fill the soft limit lock every new device out (seen: 400 connections at a limit of 200).
+        security.fd_limit(raise_soft=True)
         self.sock = self._bind(bind, max_array_bytes)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.sessions: dict[str, Session] = {}
@@ -267,6 +275,7 @@ class EdgeServer:
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, math.ceil(self.heartbeat_s)))
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, self.liveness)
         sock.setsockopt(zmq.TCP_MAXRT, max(1, int(self.window_s * 1000)))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         # Refuse absurd messages at the transport too (the peer is disconnected, the edge goes on).
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_array_bytes + P.MAX_HEADER_BYTES)
         # CURVE before bind; no keys: plain. Behind an emulator only its key connects: a device's own key

@@ -312,3 +312,21 @@ class LogThrottle:
             self.logger.warning("%d more %s were not logged (%s)", self.suppressed.total(), self.what,
                                 ", ".join(f"{k}: {v}" for k, v in self.suppressed.most_common()))
         self.start, self.logged, self.suppressed = now, 0, Counter()
+
+
+def fd_limit(raise_soft: bool = False) -> int | None:
+    """This process's soft limit on open files (None: unlimited, or not POSIX); with `raise_soft`, first
+    raised to the hard limit (at most 2**16), as a process of its own may."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2**16 if hard == resource.RLIM_INFINITY else min(hard, 2**16)
+    if raise_soft and soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return None if soft == resource.RLIM_INFINITY else soft

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -791,6 +792,63 @@ def test_a_peer_that_fills_the_queue_of_a_busy_edge_then_hangs_up_does_not_kill_
             flood.close(linger=0)
         out, err = edge.communicate(timeout=30)
         assert edge.returncode == 0 and out.strip() == "alive", (edge.returncode, err[-2000:])
+    finally:
+        ctx.destroy(linger=0)
+        if edge.poll() is None:
+            edge.kill()
+            edge.wait()
+
+
+IDLE_EDGE = """
+import resource, sys, time
+sys.path.insert(0, {tests!r})
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, hard))  # a shell's low soft limit, the hard one above it
+from test_edge_faults import make_server
+server = make_server("tcp://127.0.0.1:0")
+print(server.endpoint, resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+end = time.monotonic() + 20
+while time.monotonic() < end and "dev0" not in server.sessions:
+    server.poll(time.monotonic() + 0.1)
+print("sessions", sorted(server.sessions), flush=True)
+server.close()
+"""
+
+
+def test_idle_connections_beyond_the_shells_file_limit_do_not_lock_devices_out():
+    """400 idle peers that finished the handshake against an edge started with a soft limit of 200 open files:
+    the edge raises its soft limit to the hard one, so the honest dev0 still registers (before, every file was
+    taken and dev0 never got an answer)."""
+    soft = 200
+    edge = subprocess.Popen([sys.executable, "-c", IDLE_EDGE.format(tests=os.path.dirname(__file__), soft=soft)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.MAX_SOCKETS, 4000)
+    try:
+        endpoint, limit = edge.stdout.readline().split()
+        assert endpoint.startswith("tcp://127.0.0.1:"), edge.stderr.read()
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if hard != resource.RLIM_INFINITY and hard < 1000:
+            pytest.skip(f"the hard limit on open files here is {hard}: nothing to raise to")
+        assert int(limit) > 2 * 400, limit
+        idle = []
+        for i in range(400):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, f"idle{i}".encode())
+            s.connect(endpoint)
+            s.send(P.encode({"type": "heartbeat"})[0])  # completes the handshake: a connection held, not pending
+            idle.append(s)
+        time.sleep(2.0)
+        dev0 = ctx.socket(zmq.DEALER)
+        dev0.setsockopt(zmq.LINGER, 0)
+        dev0.setsockopt(zmq.ROUTING_ID, b"dev0")
+        dev0.connect(endpoint)
+        dev0.send_multipart(M.register("dev0", V, {}))
+        assert dev0.poll(10_000), "dev0 got no answer: the edge ran out of files"
+        assert P.decode_header(dev0.recv_multipart()[0])["type"] == "registered"
+        out, err = edge.communicate(timeout=30)
+        assert edge.returncode == 0 and "sessions ['dev0']" in out, (edge.returncode, err[-2000:])
     finally:
         ctx.destroy(linger=0)
         if edge.poll() is None:

@@ -6,6 +6,7 @@ Loaded from YAML with `load_profile(path | dict)`; errors name the field, the va
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -410,20 +411,103 @@ def load_profile(source: str | Path | dict | None = None,
     return profile
 
 
-def load_plan_scenario(source: str | Path | None, default: Path | None = None):
-    """(Scenario, note) for the analytic commands (`plan`, `simulate`): a scenario file, or a run profile
-    (then its ``scenario:`` section, with the on-air vocabulary; its top-level `rounds` etc. are the run's,
-    not the scenario's). `note` says which was used (None for a plain scenario file)."""
-    from testbed.scenario_file import load_scenario
+def plan_overrides(overrides: list[Override] | None, run_profile: bool, where: str) -> list[Override]:
+    """`--set` of the analytic commands (`plan`) in the form the file at `where` takes. A run profile: its own
+    keys (``scenario.devices.dev0.distance_m``, ``on_air_vocab_size``) as they are, a key of its scenario
+    (``devices.dev0.distance_m``) under ``scenario.`` (a name in both, ``rounds``, is the profile's). A scenario
+    file: its keys, with a leading ``scenario.`` dropped; a run profile's key is refused, naming the file."""
+    from testbed.core.scenario import Scenario
 
+    prof, scen = list(Profile.model_fields), list(Scenario.model_fields)
+    out = []
+    for ov in overrides or []:
+        head, _, rest = ov.key.partition(".")
+        if run_profile:
+            if head not in prof:
+                if head not in scen:
+                    raise ProfileError(f"{ov.flag}: unknown key {head!r}: neither a field of the run profile {where} "
+                                       f"nor of its scenario: section{did_you_mean(head, prof + scen)}")
+                ov = replace(ov, key=f"scenario.{ov.key}")
+        elif head == "scenario":
+            if not rest:
+                raise ProfileError(f"{ov.flag}: {where} is a scenario file: set its fields, e.g. "
+                                   f"--set devices.0.distance_m=50")
+            ov = replace(ov, key=rest)
+        elif head not in scen:
+            hint = (f"; {head!r} is a run profile's field, and {where} is a scenario file (plan a run profile to "
+                    f"set it)" if head in prof else did_you_mean(head, scen) or f" (keys: {', '.join(scen)})")
+            raise ProfileError(f"{ov.flag}: unknown key {head!r} in the scenario {where}{hint}")
+        out.append(ov)
+    return out
+
+
+def _scenario_with_overrides(data: Any, overrides: list[Override], where: str):
+    """A scenario file's mapping with `overrides` applied, validated; a problem an override made is named by
+    its flag, the file's own by the file."""
+    from testbed.core.scenario import Scenario, ScenarioError, format_validation_error
+
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
+    applied: dict[tuple, Override] = {}
+    for ov in overrides:
+        try:
+            applied[apply_override(data, ov, root=Scenario)] = ov
+        except OverrideError as exc:
+            raise ProfileError(str(exc)) from None
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        lines = [ln.strip() for ln in format_validation_error(exc, where).splitlines()[1:]]
+        flagged, in_file = [], []
+        for err, line in zip(exc.errors(), lines):
+            ov = attribute(tuple(err["loc"]), applied)
+            if ov is None:
+                in_file.append(line)
+            else:
+                exact = next(p for p, o in applied.items() if o is ov) == tuple(err["loc"])
+                flagged.append(f"{ov.flag}: " + (line.split(" is not allowed: ", 1)[-1] if exact else line))
+        raise ProfileError("\n".join(flagged + ([f"{where}:\n  " + "\n  ".join(in_file)] if in_file else []))) \
+            from None
+
+
+@dataclass
+class PlanSource:
+    """What an analytic command plans: the scenario, a note on where it came from (None for a scenario file),
+    the run profile when the source is one, and the resolved config (`--print-config`)."""
+
+    scenario: Any
+    config: dict
+    note: str | None = None
+    profile: Profile | None = None
+
+
+def resolve_plan_source(source: str | Path | None, overrides: list[Override] | None = None,
+                        default: Path | None = None) -> PlanSource:
+    """The scenario of `plan` (and `simulate`): a scenario file, or a run profile (then its ``scenario:``
+    section, with the on-air vocabulary; its top-level `rounds` etc. are the run's, not the scenario's), with
+    `--set` overrides in either form (`plan_overrides`)."""
     path = find_profile(source, default or PROFILES_DIR / "scenarios" / "default.yaml")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ProfileError(f"{path}: not valid YAML: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("scenario"), dict):
-        profile = load_profile(path)
+        profile = load_profile(path, plan_overrides(overrides, True, str(path)))
         sc = profile.scenario_obj()
-        return sc, (f"{path} is a run profile: using its scenario: section ({sc.num_devices} devices, "
-                    f"vocab_size {sc.vocab_size})")
-    return load_scenario(path), None
+        return PlanSource(scenario=sc, profile=profile, config=profile.snapshot(),
+                          note=f"{path} is a run profile: using its scenario: section ({sc.num_devices} devices, "
+                               f"vocab_size {sc.vocab_size})")
+    if not overrides:
+        from testbed.scenario_file import load_scenario
+
+        sc = load_scenario(path)
+    else:
+        sc = _scenario_with_overrides(data, plan_overrides(overrides, False, str(path)), str(path))
+    return PlanSource(scenario=sc, config=sc.model_dump(mode="json"))
+
+
+def load_plan_scenario(source: str | Path | None, default: Path | None = None):
+    """(Scenario, note) of `resolve_plan_source` without overrides; `note` says a run profile's scenario:
+    section was used (None for a plain scenario file)."""
+    src = resolve_plan_source(source, default=default)
+    return src.scenario, src.note

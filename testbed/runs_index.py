@@ -15,6 +15,7 @@ import re
 import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from testbed.errors import TestbedError
 
@@ -137,8 +138,9 @@ class RunInfo:
 
 def run_info(path: str | Path, label: str | None = None, fresh: bool = False) -> RunInfo:
     """One run's facts from meta.json and summary.json; without a summary (a run still going, or killed),
-    or with `fresh`, the summary is computed from rounds.jsonl. A run inside a compare directory takes its
-    start stamp from the compare directory's name."""
+    or with `fresh`, the summary is computed from rounds.jsonl. The start stamp is the run's own (meta.json's
+    created_utc; without it the run folder's name, then, for a run inside a compare directory, that
+    directory's)."""
     path = Path(path)
     meta, summary = _read_json(path / "meta.json"), _read_json(path / "summary.json")
     prof = meta.get("profile") if isinstance(meta.get("profile"), dict) else {}
@@ -155,24 +157,43 @@ def run_info(path: str | Path, label: str | None = None, fresh: bool = False) ->
                 summary = {**summary, **report.summarize(records)}
             except (KeyError, TypeError, ValueError, ZeroDivisionError):  # records of another release
                 summary = {**summary, "rounds": len(records)}
-    m = _STAMP.match(path.name) or _STAMP.match(path.parent.name)
-    stamp = (f"{m[1]}-{m[2]}-{m[3]} {m[4]}:{m[5]}:{m[6]}" if m
-             else (meta.get("created_utc") or "").replace("T", " ").split("+")[0] or None)
+    stamp = _utc_stamp(meta.get("created_utc"))
+    if stamp is None:
+        m = _STAMP.match(path.name) or _STAMP.match(path.parent.name)
+        stamp = f"{m[1]}-{m[2]}-{m[3]} {m[4]}:{m[5]}:{m[6]}" if m else None
     status = meta.get("status") or summary.get("status") or ("empty" if not summary.get("rounds") else "unknown")
     if status == "running" and _alive(meta) is False:
         status = "died"  # meta.json still says running, but its process is gone (killed -9, power cut)
     measured, predicted = goodput_of(summary)
     return RunInfo(path=path, label=label or path.name, stamp=stamp, profile=prof.get("name"),
                    policy=summary.get("policy") or prof.get("policy"),
-                   channel=prof["channel"].get("mode") if isinstance(prof.get("channel"), dict) else None,
+                   channel=(prof["channel"].get("mode") if isinstance(prof.get("channel"), dict) else None)
+                   or summary.get("channel_mode"),
                    seed=prof.get("seed"), status=status,
                    reason=meta.get("reason") or summary.get("reason"), rounds=int(summary.get("rounds") or 0),
                    rounds_planned=prof.get("rounds"), measured_tps=measured, predicted_tps=predicted,
                    summary=summary)
 
 
+def _utc_stamp(created: Any) -> str | None:
+    """meta.json's created_utc (ISO 8601) as "YYYY-MM-DD HH:MM:SS" in UTC; None when absent or unreadable."""
+    from datetime import datetime, timezone
+
+    if not isinstance(created, str) or not created:
+        return None
+    try:
+        t = datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if t.tzinfo is not None:
+        t = t.astimezone(timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S")
+
+
 def find_runs(root: str | Path) -> list[RunInfo]:
-    """Every run under `root`: its run directories, and the runs inside each compare directory."""
+    """Every run under `root`: its run directories, and the runs inside each compare directory, each with its
+    own start stamp, oldest first (runs whose start is unknown first; equal stamps keep the folder order and,
+    in a compare directory, the order of its policies)."""
     root = Path(root)
     if not root.is_dir():
         raise TestbedError(f"{root}: no such directory (runs are written to runs/ by default; "
@@ -185,6 +206,7 @@ def find_runs(root: str | Path) -> list[RunInfo]:
             out.append(run_info(p))
         else:
             out += [run_info(c, label=f"{p.name}/{c.name}") for c in child_runs(p)]
+    out.sort(key=lambda i: (i.stamp is not None, i.stamp or ""))  # stable: ties keep the order above
     return out
 
 
@@ -296,16 +318,20 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def aggregate(infos: list[RunInfo]) -> list[dict]:
-    """Per policy, in first-seen order: runs, measured and predicted goodput as mean and sample std (None
-    for one run), and the runs' own values (for the plot's points)."""
-    by: dict[str, list[RunInfo]] = {}
+    """Per policy and channel mode, in first-seen order: runs, measured and predicted goodput as mean and
+    sample std (None for one run), and the runs' own values (for the plot's points). Runs of one policy in
+    different channel modes (real, virtual: times in different meanings) are rows of their own, never one
+    mean; `label` is the policy, with the mode in brackets when the rows mix modes."""
+    by: dict[tuple, list[RunInfo]] = {}
     for i in infos:
-        by.setdefault(i.policy or "?", []).append(i)
+        by.setdefault((i.policy or "?", i.channel), []).append(i)
+    mixed = len({mode for _, mode in by}) > 1
     out = []
-    for policy, runs in by.items():
+    for (policy, mode), runs in by.items():
         m_mean, m_std = _mean_std([r.measured_tps for r in runs])
         p_mean, p_std = _mean_std([r.predicted_tps for r in runs])
-        out.append({"policy": policy, "runs": len(runs), "complete": sum(r.status == "complete" for r in runs),
+        out.append({"policy": policy, "channel": mode, "label": f"{policy} [{mode or '?'}]" if mixed else policy,
+                    "runs": len(runs), "complete": sum(r.status == "complete" for r in runs),
                     "rounds": sum(r.rounds for r in runs),
                     "measured_mean_tps": m_mean, "measured_std_tps": m_std,
                     "predicted_mean_tps": p_mean, "predicted_std_tps": p_std,
@@ -318,22 +344,35 @@ def _pm(mean, std) -> str:
     return "-" if mean is None else f"{mean:.2f} ± {std:.2f}" if std is not None else f"{mean:.2f}"
 
 
+def _label(row: dict) -> str:
+    return row.get("label") or row["policy"]  # rows of an earlier compare.json have no label
+
+
 def format_aggregate(rows: list[dict], reference: str | None = None) -> str:
-    """Per policy: measured and predicted goodput, mean ± sample std over the runs, and the ratio to the
-    reference policy's measured mean."""
+    """Per policy (and channel mode, when the runs mix modes): measured and predicted goodput, mean ± sample
+    std over the runs, and the ratio to the reference policy's measured mean (its first row)."""
     ref = next((r for r in rows if r["policy"] == reference), rows[0] if rows else None)
     ref_m = ref["measured_mean_tps"] if ref else None
-    lines = [f"{'policy':<20}{'runs':>5}{'rounds':>8}{'measured [tok/s]':>20}{'predicted [tok/s]':>20}"
-             f"{'meas/pred':>10}{'vs ' + (ref['policy'] if ref else '-'):>16}"]
+    width = max([20] + [len(_label(r)) + 2 for r in rows])
+    vs = "vs " + (_label(ref) if ref else "-")
+    vs_w = max(16, len(vs) + 2)
+    lines = [f"{'policy':<{width}}{'runs':>5}{'rounds':>8}{'measured [tok/s]':>20}{'predicted [tok/s]':>20}"
+             f"{'meas/pred':>10}{vs:>{vs_w}}"]
     for r in rows:
         m, p = r["measured_mean_tps"], r["predicted_mean_tps"]
-        lines.append(f"{r['policy']:<20}{r['runs']:>5}{r['rounds']:>8}{_pm(m, r['measured_std_tps']):>20}"
+        lines.append(f"{_label(r):<{width}}{r['runs']:>5}{r['rounds']:>8}{_pm(m, r['measured_std_tps']):>20}"
                      f"{_pm(p, r['predicted_std_tps']):>20}{_num(m / p if m and p else None, '.3f'):>10}"
-                     f"{_num(m / ref_m if m and ref_m else None, '.3f'):>16}")
+                     f"{_num(m / ref_m if m and ref_m else None, '.3f'):>{vs_w}}")
     n = max((r["runs"] for r in rows), default=1)
     lines.append("goodput_run_tps per run (all tokens / all round time); "
                  + ("mean ± sample standard deviation over the runs of a policy" if n > 1 else "one run per policy "
                     "(--repeats R for the spread)"))
+    modes = list(dict.fromkeys(r.get("channel") for r in rows))
+    if len(modes) > 1:
+        per_mode = "; ".join(f"{mode or 'unknown'}: " + ", ".join(Path(d).name for r in rows if r.get("channel") == mode
+                                                                 for d in r["dirs"]) for mode in modes)
+        lines.append(f"warning: the runs mix channel modes ({per_mode}); each policy is shown per mode "
+                     f"[in brackets], not averaged across modes")
     return "\n".join(lines)
 
 
@@ -361,7 +400,7 @@ def plot_compare(rows: list[dict], out_dir: str | Path, title: str | None = None
             pts = [v for v in r[f"{what}_tps"] if v is not None]
             if len(pts) > 1:  # the runs themselves, spread a little so that equal values stay visible
                 ax.scatter(p + np.linspace(-w / 5, w / 5, len(pts)), pts, s=12, color="k", zorder=3, lw=0)
-    ax.set_xticks(x, [f"{r['policy']}\n(n={r['runs']})" for r in rows])
+    ax.set_xticks(x, [f"{_label(r)}\n(n={r['runs']})" for r in rows])
     ax.set_ylabel("goodput (tokens/s)")
     n = max((r["runs"] for r in rows), default=1)
     spread = "mean ± 1 std over the runs; dots: the runs" if n > 1 else "one run per policy"

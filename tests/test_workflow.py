@@ -53,11 +53,12 @@ def synth_records(n: int, policy: str = "proposed", slow: float = 1.5) -> list[d
 
 
 def synth_run(run_dir: Path, n: int = 4, policy: str = "proposed", status: str | None = "complete",
-              slow: float = 1.5, planned: int | None = None, seed: int = 0, **meta) -> Path:
+              slow: float = 1.5, planned: int | None = None, seed: int = 0, channel: str | None = None,
+              **meta) -> Path:
     """A run directory as `multispin run` leaves it; status None: still "running" (no summary.json)."""
     rec = RunRecorder(run_dir)
-    rec.write_meta({"name": "emulation", "policy": policy, "rounds": planned or n, "seed": seed},
-                   status="running", **meta)
+    rec.write_meta({"name": "emulation", "policy": policy, "rounds": planned or n, "seed": seed,
+                    **({"channel": {"mode": channel}} if channel else {})}, status="running", **meta)
     records = synth_records(n, policy, slow)
     for r in records:
         rec.append_round(r)
@@ -132,6 +133,64 @@ def test_print_config_prints_the_resolved_profile(capsys):
     assert main(["edge", "--profile", "lan", "--print-config"]) == 0
 
 
+def test_plan_takes_set_in_the_profile_and_the_scenario_form(capsys):
+    def dev0(argv):
+        assert main(["plan", *argv, "--json"]) == 0
+        return next(d for d in json.loads(capsys.readouterr().out)["devices"] if d["name"] == "dev0")
+
+    base, far = dev0(["emulation"]), dev0(["emulation", "--set", "scenario.devices.dev0.distance_m=3000"])
+    assert far["ul_rate_bps"] < base["ul_rate_bps"] / 10  # the override reached the plan
+    assert dev0(["emulation", "--set", "devices.dev0.distance_m=3000"]) == far  # the scenario-relative form
+    assert dev0(["emulation", "--set", "devices.0.distance_m=3000"]) == far  # an index
+    # --print-config: the resolved run profile (what --set keys address), or the resolved scenario file.
+    assert main(["plan", "emulation", "--set", "devices.dev1.distance_m=99", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["name"] == "emulation" and cfg["scenario"]["devices"][1]["distance_m"] == 99
+    assert main(["plan", "default", "--set", "scenario.devices.d0.distance_m=51", "--set", "max_draft_len=6",
+                 "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["devices"][0]["distance_m"] == 51 and cfg["max_draft_len"] == 6 and cfg["verify_batch"] == "ragged"
+    assert load_scenario(cfg).max_draft_len == 6  # what it prints loads back
+    # Errors name the flag, and say which form a key takes.
+    for argv, expected in (
+            (["default", "--set", "devices.d0.acceptance=1.5"], "--set devices.d0.acceptance=1.5: must be in (0, 1)"),
+            (["emulation", "--set", "devices.dev0.acceptance=2"], "--set devices.dev0.acceptance=2: must be in"),
+            (["default", "--set", "deadline_s=3"], "'deadline_s' is a run profile's field, and"),
+            (["default", "--set", "max_draft=3"], "did you mean max_draft_len?"),
+            (["emulation", "--set", "max_draft=3"], "neither a field of the run profile"),
+            (["emulation", "--set", "devices.dev9.distance_m=1"], "scenario.devices has no entry 'dev9'"),
+            (["emulation", "--channel-rounds", "2", "--set", "rounds=0"], "--set rounds=0: must be >= 1")):
+        assert main(["plan", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    assert main(["plan", "emulation", "--set", "fixed_length=30", "--policy", "fixed-length", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "--set fixed_length=30 is clamped to max_draft_len 8" in captured.err
+    assert {d["draft_len"] for d in json.loads(captured.out)["devices"]} == {8}
+
+
+def test_campaign_print_config_is_its_base_profile(tmp_path, capsys):
+    out = tmp_path / "c"
+    assert main(["campaign", "--rounds", "3", "--set", "scenario.devices.dev1.distance_m=99", "--out", str(out),
+                 "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["rounds"] == 3 and cfg["scenario"]["devices"][1]["distance_m"] == 99 and not out.exists()
+    assert main(["campaign", "--sweep", "devices=2,3", "--print-config"]) == 0  # the base, before the sweep
+    assert len(yaml.safe_load(capsys.readouterr().out)["scenario"]["devices"]) == 4
+    assert main(["campaign", "--sweep", "deadline=1,2", "--print-config"]) == 2  # the sweep is still checked
+    assert "did you mean deadline_s?" in capsys.readouterr().err
+    assert main(["campaign"]) == 2 and "--sweep KEY=V1,V2,... is required" in capsys.readouterr().err
+
+
+def test_plan_help_says_plug_ins_are_accepted(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps (and hyphenates) to the terminal's width
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Plug-in policies are accepted too" in text and "`multispin plugins` lists them" in text
+    assert "--set KEY=VALUE" in text and "--print-config" in text
+
+
 def test_one_profile_resolution_for_every_command(capsys):
     assert find_profile("emulation").name == "emulation.yaml"
     assert find_profile("default").parent.name == "scenarios"
@@ -189,22 +248,27 @@ def test_run_of_a_lan_profile_says_what_it_waits_for(tmp_path, monkeypatch, caps
 
 # -- runs, report A B, compare -----------------------------------------------------------------------------
 
+def _utc(hhmmss: str) -> str:
+    return f"2025-01-01T{hhmmss}+00:00"  # meta.json's created_utc
+
+
 @pytest.fixture
 def runs_dir(tmp_path) -> Path:
     root = tmp_path / "runs"
-    synth_run(root / "20250101-100000-proposed", 6, slow=1.25)
-    synth_run(root / "20250101-110000-all-dl", 4, "all-dl", slow=2.0)
+    synth_run(root / "20250101-100000-proposed", 6, slow=1.25, created_utc=_utc("10:00:00"))
+    synth_run(root / "20250101-110000-all-dl", 4, "all-dl", slow=2.0, created_utc=_utc("11:00:00"))
     synth_run(root / "20250101-120000-proposed", 2, status=None, planned=40, pid=2 ** 22 + 12345,
-              host=__import__("socket").gethostname())  # "running", but no such process: died
-    synth_run(root / "20250101-130000-proposed", 1, status="failed")
-    (root / "20250101-140000-proposed").mkdir()  # killed before its first round: meta.json only
+              host=__import__("socket").gethostname(), created_utc=_utc("12:00:00"))  # "running", no process: died
+    synth_run(root / "20250101-130000-proposed", 1, status="failed", created_utc=_utc("13:00:00"))
+    (root / "20250101-140000-proposed").mkdir()  # killed before its first round: meta.json only (no created_utc)
     (root / "20250101-140000-proposed" / "meta.json").write_text(json.dumps({"status": "interrupted",
                                                                              "profile": {"name": "lan"}}))
     (root / "notes").mkdir()  # not a run: skipped
     cmp = root / "20250101-150000-compare"
-    for r in range(2):
-        for policy, slow in (("proposed", 1.2), ("all-ul", 1.8)):
-            synth_run(cmp / f"{policy}-rep{r}", 3, policy, slow=slow * (1 + 0.1 * r), seed=r)
+    for r in range(2):  # repeat-major, as compare runs them: each run starts 5 minutes after the one before
+        for k, (policy, slow) in enumerate((("proposed", 1.2), ("all-ul", 1.8))):
+            synth_run(cmp / f"{policy}-rep{r}", 3, policy, slow=slow * (1 + 0.1 * r), seed=r,
+                      created_utc=_utc(f"15:{10 * r + 5 * k:02d}:00"))
     (cmp / "compare.json").write_text(json.dumps({"policies": ["proposed", "all-ul"], "repeats": 2}))
     return root
 
@@ -226,11 +290,27 @@ def test_runs_lists_every_run_with_status_and_goodput(runs_dir, capsys):
     assert f"{s['goodput_run_tps']['measured']:.2f}" in by_name["20250101-100000-proposed"]
     assert main(["runs", str(runs_dir), "--json", "--last", "2"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [Path(x["path"]).name for x in listed] == ["all-ul-rep0", "all-ul-rep1"]  # compare.json's order
+    assert [Path(x["path"]).name for x in listed] == ["proposed-rep1", "all-ul-rep1"]  # the last two started
     assert main(["runs", str(runs_dir / "nope")]) == 2
     capsys.readouterr()
     assert main(["report", str(runs_dir)]) == 2  # a folder of unrelated runs is no comparison
     assert f"multispin runs {runs_dir}" in capsys.readouterr().err
+
+
+def test_runs_in_a_compare_directory_have_their_own_start_oldest_first(runs_dir, capsys):
+    assert main(["runs", str(runs_dir)]) == 0
+    body = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("2025-01-01")]
+    cmp = [(ln[:19], ln.split()[-1].split("/")[-1]) for ln in body if "-compare/" in ln]
+    assert cmp == [("2025-01-01 15:00:00", "proposed-rep0"), ("2025-01-01 15:05:00", "all-ul-rep0"),
+                   ("2025-01-01 15:10:00", "proposed-rep1"), ("2025-01-01 15:15:00", "all-ul-rep1")]
+    assert [ln[:19] for ln in body] == sorted(ln[:19] for ln in body)  # oldest first, all of them
+    # A run without created_utc keeps its folder's stamp; an offset other than UTC is converted.
+    interrupted = next(ln for ln in body if ln.endswith("20250101-140000-proposed"))
+    assert interrupted.startswith("2025-01-01 14:00:00")
+    from testbed.runs_index import run_info
+
+    run = synth_run(runs_dir / "late", 1, created_utc="2025-01-02T01:30:00+02:00")
+    assert run_info(run).stamp == "2025-01-01 23:30:00"
 
 
 def test_report_of_two_runs_side_by_side(runs_dir, capsys):
@@ -246,6 +326,29 @@ def test_report_of_two_runs_side_by_side(runs_dir, capsys):
     assert "policy" in out and "all-dl" in out and "vs proposed" in out
     assert main(["report", str(a), "--json", "--no-plots", str(b)]) == 0  # runs on both sides of an option
     assert len(json.loads(capsys.readouterr().out)["runs"]) == 2
+
+
+def test_report_keeps_channel_modes_apart(tmp_path, capsys):
+    real = synth_run(tmp_path / "20250101-100000-proposed", 4, slow=1.2, channel="real")
+    virt = synth_run(tmp_path / "20250101-110000-proposed", 4, slow=1.0, channel="virtual")
+    real2 = synth_run(tmp_path / "20250101-120000-proposed", 4, slow=1.4, channel="real")
+    assert main(["report", str(real), str(virt), str(real2), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split()[0] + " " + ln.split()[1]: ln.split() for ln in out.splitlines()
+            if ln.startswith("proposed [")}
+    assert set(rows) == {"proposed [real]", "proposed [virtual]"}  # one row per policy and mode, not one mean
+    assert rows["proposed [real]"][2] == "2" and rows["proposed [virtual]"][2] == "1"
+    warning = next(ln for ln in out.splitlines() if ln.startswith("warning:"))
+    assert "mix channel modes" in warning and f"real: {real.name}, {real2.name}" in warning \
+        and f"virtual: {virt.name}" in warning
+    assert main(["report", str(real), str(virt), "--json", "--no-plots"]) == 0
+    per = json.loads(capsys.readouterr().out)["per_policy"]
+    assert [(r["policy"], r["channel"], r["runs"]) for r in per] == [("proposed", "real", 1),
+                                                                      ("proposed", "virtual", 1)]
+    # One mode: the policy alone, no warning.
+    assert main(["report", str(real), str(real2), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "warning" not in out and any(ln.split()[:2] == ["proposed", "2"] for ln in out.splitlines())
 
 
 def test_report_of_a_compare_directory(runs_dir, capsys):

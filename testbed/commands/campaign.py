@@ -19,11 +19,13 @@ def register(subparsers) -> None:
                     "plots/goodput.png. Started again with the same --out and settings it skips the complete runs "
                     "and resumes an interrupted one.")
     p.add_argument("profile", nargs="?", default=None, help="profile YAML or name in profiles/ (default: emulation)")
-    p.add_argument("--sweep", required=True,
-                   help="KEY=V1,V2,...: devices (the profile's first N devices, copied in turn beyond its list), "
+    p.add_argument("--sweep", default=None,
+                   help="(required, but for --print-config) KEY=V1,V2,...: devices (the profile's first N devices, "
+                        "copied in turn beyond its list), "
                         "dl_bandwidth (Hz), dl_power (W), ul_bandwidth (Hz), bits_per_prob, max_draft_len, "
                         "vocab_size (the on-air vocabulary), or any dotted profile key (as --set)")
-    p.add_argument("--policies", default="proposed,all-ul,all-dl", help="comma-separated policy names")
+    p.add_argument("--policies", default="proposed,all-ul,all-dl",
+                   help="comma-separated policy names: built in, or plug-ins (multispin plugins lists them)")
     p.add_argument("--repeats", type=int, default=1, help="runs per point and policy (repeat r: seed + r; default 1)")
     p.add_argument("--rounds", type=int, default=None, help="override the profile's rounds (per run)")
     p.add_argument("--channel", choices=["real", "virtual", "passthrough"], default=None)
@@ -31,7 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None,
                    help="campaign folder (default runs/<stamp>-campaign-<key>); an existing campaign folder with the "
                         "same settings is resumed")
-    add_profile_arguments(p, print_config=False)
+    add_profile_arguments(p)  # --print-config: the campaign's base profile (before the sweep)
     p.add_argument("--no-plots", action="store_true", help="skip the per-run, per-point and campaign plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar; log warnings and errors only")
     p.set_defaults(handler=handle, policy=None)
@@ -45,14 +47,21 @@ def handle(args) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from testbed.campaign import open_campaign, parse_sweep, plan_campaign, run_campaign
-    from testbed.commands.run import load
+    from testbed.cli import CliError
+    from testbed.commands.run import load, print_config
     from testbed.config_override import policy_list
     from testbed.launcher import require_edge_extra, resolve_pair
     from testbed.records import new_run_dir
 
     policies = policy_list(args.policies)
-    sweep = parse_sweep(args.sweep)
+    if args.sweep is None and not args.print_config:
+        raise CliError("--sweep KEY=V1,V2,... is required (e.g. --sweep devices=2,4,8)")
+    sweep = parse_sweep(args.sweep) if args.sweep is not None else None
     base = load(args, policies)
+    if args.print_config:  # the base every point starts from (after --set and the flags, before the sweep)
+        if sweep is not None:
+            plan_campaign(Path(args.out or "campaign"), base, sweep, policies, args.repeats)  # every point checked
+        return print_config(base)
     camp = plan_campaign(Path(args.out or "campaign"), base, sweep, policies, args.repeats)  # every point checked
     require_edge_extra()  # before a folder is made
     out = Path(args.out) if args.out else new_run_dir("runs", f"campaign-{sweep.key.replace('.', '-')}")

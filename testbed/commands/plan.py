@@ -7,12 +7,15 @@ import json
 
 
 def register(subparsers) -> None:
+    from testbed.commands.run import add_profile_arguments
     from testbed.core.optimizer import POLICIES
 
     p = subparsers.add_parser(
         "plan", help="plan one round (modes, draft lengths, powers) for a scenario",
         description="Plan one round for a scenario and print the predicted goodput and per-device schedule. "
-                    "Policies: " + "; ".join(f"{k}: {v}" for k, v in POLICIES.items()))
+                    "Built-in policies: " + "; ".join(f"{k}: {v}" for k, v in POLICIES.items())
+                    + ". Plug-in policies are accepted too: the name of an installed one (`multispin plugins` "
+                      "lists them) or a Python path module:Class (docs/extending.md).")
     p.add_argument("scenario", nargs="?", default="emulation",
                    help="scenario YAML or a name in profiles/ (a run profile: its scenario: section; "
                         "default: emulation, the profile `multispin run` uses)")
@@ -27,6 +30,11 @@ def register(subparsers) -> None:
                         "as the live controller does (fallback included), the clock advancing by each planned "
                         "round time; prints one line per round")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    add_profile_arguments(p, set_help="override a field of the scenario or profile planned: dotted keys, list "
+                                      "entries by index or device name, YAML values. A run profile takes its own "
+                                      "keys (--set scenario.devices.dev0.distance_m=50) or its scenario's "
+                                      "(--set devices.dev0.distance_m=50); a scenario file takes its keys "
+                                      "(--set devices.d0.distance_m=50, a leading scenario. is dropped)")
     p.set_defaults(handler=run)
 
 
@@ -88,6 +96,7 @@ def format_plan(d: dict) -> str:
 
 def run(args) -> int:
     from testbed.cli import CliError
+    from testbed.commands.run import print_config
     from testbed.commands.simulate import plan_inputs  # profile resolution, flag checks and warnings
     from testbed.core.optimizer import OptimizerError, plan
     from testbed.core.scenario import ScenarioError
@@ -96,7 +105,9 @@ def run(args) -> int:
     if args.channel_rounds is not None:
         return channel_rounds(args)
     try:
-        sc, fixed_length = plan_inputs(args)
+        sc, fixed_length, config = plan_inputs(args)
+        if args.print_config:
+            return print_config(config)
         result = plan(sc, load_policy(args.policy), fixed_length=fixed_length, seed=args.seed)
     except (ScenarioError, OptimizerError) as exc:
         raise CliError(str(exc)) from None
@@ -112,19 +123,23 @@ def channel_rounds(args) -> int:
     import sys
 
     from testbed.cli import CliError, warn
-    from testbed.config_override import fixed_length_notes, policy_list
+    from testbed.commands.run import print_config
+    from testbed.config_override import fixed_length_notes, parse_set, policy_list
     from testbed.controller import Controller
     from testbed.plugins import channel_state_from_config
-    from testbed.profile import ProfileError, find_profile, load_profile
+    from testbed.profile import find_profile, resolve_plan_source
 
     if args.channel_rounds < 1:
         raise CliError(f"--channel-rounds {args.channel_rounds}: must be >= 1")
     policy_list(args.policy, "--policy")
     path = find_profile(args.scenario)
-    try:
-        profile = load_profile(path)
-    except ProfileError as exc:  # a scenario file among them: it has no channel
-        raise CliError(f"--channel-rounds needs a run profile with channel.state: {exc}") from None
+    src = resolve_plan_source(path, parse_set(args.set))
+    profile = src.profile
+    if profile is None:  # a scenario file: it has no channel
+        raise CliError(f"--channel-rounds needs a run profile with channel.state: {path} is a scenario file, not a "
+                       "run profile (no scenario: section)")
+    if args.print_config:
+        return print_config(profile)
     state = profile.channel.state
     if state is None:
         raise CliError(f"--channel-rounds: {path} has no channel.state; give a run profile with one (e.g. "

@@ -68,18 +68,21 @@ def load(args, policies: list[str] | None = None):
 
 
 def print_config(profile) -> int:
-    """The resolved profile (file, then overrides, then defaults) as YAML on stdout."""
+    """The resolved profile (file, then overrides, then defaults) as YAML on stdout; a mapping (the resolved
+    scenario of `plan`) as it is."""
     import yaml
 
-    print(yaml.safe_dump(profile.snapshot(), sort_keys=False, default_flow_style=None, width=110), end="")
+    data = profile if isinstance(profile, dict) else profile.snapshot()
+    print(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=110), end="")
     return 0
 
 
-def add_profile_arguments(p, *, print_config: bool = True) -> None:
+def add_profile_arguments(p, *, print_config: bool = True, set_help: str | None = None) -> None:
     """--set and --print-config, the same in every command that takes a profile."""
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any profile field: dotted keys, list entries by index or device name, YAML "
-                        "values, e.g. --set deadline_s=5 --set scenario.devices.dev0.distance_m=50")
+                   help=set_help or "override any profile field: dotted keys, list entries by index or device "
+                                    "name, YAML values, e.g. --set deadline_s=5 --set "
+                                    "scenario.devices.dev0.distance_m=50")
     if print_config:
         p.add_argument("--print-config", action="store_true",
                        help="print the resolved profile (after --set and the flags) as YAML and exit")

@@ -340,21 +340,29 @@ def _write_csv(rows: list[dict], path: Path) -> None:
 
 
 def plan_inputs(args, command: str = "plan") -> tuple:
-    """(scenario, fixed length) for `multispin plan`: the policy checked (with a did-you-mean), the
-    scenario resolved like every profile (a name in profiles/, a path; a run profile's scenario: section),
-    and a warning when --fixed-length is clamped or ignored."""
+    """(scenario, fixed length, resolved config) for `multispin plan`: the policy checked (with a
+    did-you-mean), the scenario resolved like every profile (a name in profiles/, a path; a run profile's
+    scenario: section) with the `--set` overrides, and a warning when --fixed-length is clamped or ignored."""
     import sys
 
     from testbed.cli import CliError, warn
-    from testbed.config_override import fixed_length_notes, policy_list
-    from testbed.profile import load_plan_scenario
+    from testbed.config_override import fixed_length_notes, parse_set, policy_list
+    from testbed.profile import resolve_plan_source
 
     policy_list(args.policy, "--policy")
     if args.fixed_length is not None and args.fixed_length < 1:
         raise CliError(f"--fixed-length {args.fixed_length}: must be >= 1")
-    sc, note = load_plan_scenario(args.scenario)
-    if note:
-        print(note, file=sys.stderr)
-    for msg in fixed_length_notes(args.fixed_length, [args.policy], sc.max_draft_len):
+    overrides = parse_set(getattr(args, "set", None))
+    src = resolve_plan_source(args.scenario, overrides)
+    sc = src.scenario
+    if src.note:
+        print(src.note, file=sys.stderr)
+    # The draft length: --fixed-length, else a run profile's fixed_length (--set fixed_length=N), else 4.
+    fixed_length, given = args.fixed_length, None
+    set_fl = [o for o in overrides if o.key == "fixed_length"]
+    if fixed_length is None and src.profile is not None:
+        fixed_length, given = src.profile.fixed_length, set_fl[-1].flag if set_fl else None
+    for msg in fixed_length_notes(fixed_length if args.fixed_length is not None or given else None, [args.policy],
+                                  sc.max_draft_len, given):
         warn(command, msg)
-    return sc, args.fixed_length or 4
+    return sc, fixed_length or 4, src.config

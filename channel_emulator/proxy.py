@@ -81,6 +81,7 @@ from testbed.security import (
     RateLimiter,
     ServerKeys,
     check_identity,
+    claims_route,
     fd_limit,
     make_client,
     make_server,
@@ -110,6 +111,14 @@ FD_RESERVE = 64          # listeners, the control socket, ZeroMQ's own threads, 
 LOG_BURST = 20           # warnings about peers' messages a second; the rest are counted (a flood must not fill a disk)
 MAX_MSGS_PER_S = 2000.0  # per identity, averaged over a one-second burst
 MAX_CONTROL_REPLY_BYTES = 16 * 1024 * 1024  # stats of many links; still bounded
+
+
+def _header(frames: list) -> dict | None:
+    """A device message's header (after the routing frame), or None if it is not one."""
+    try:
+        return decode_header(frames[1].bytes)
+    except (ProtocolError, IndexError):
+        return None
 
 
 class ConfigError(ValueError):
@@ -314,9 +323,10 @@ class ChannelProxy:
                 self.counters["refused_identity"] += 1
                 self._warn("dropped a message from identity %r: no authenticated name", ident)
                 return
-            if name.encode() != ident:
-                self.routes[name.encode()] = ident  # replies to the name go to this connection
-            ident = name.encode()
+            key = name.encode()
+            if self.routes.get(key, key) != ident and (key not in self.routes or claims_route(name, _header(frames))):
+                self.routes[key] = ident  # replies to the name go to the connection that last registered it
+            ident = key
         if not self._within_rate(ident, t_arr):
             return
         self.last_seen[ident] = t_arr

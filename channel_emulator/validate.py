@@ -285,7 +285,7 @@ def format_table(cells: list[Cell]) -> str:
                      f"{100 * s['p95_abs_error']:>8.3f}%  {verdict}")
     scoped = [c.summary() for c in cells if not c.skipped and c.in_target_scope]
     met = sum(1 for s in scoped if s["meets_target"])
-    where = ("every measured cell (virtual: the annotated air time against 8 bytes / rate; nothing is held, "
+    where = ("every measured cell (virtual: the annotated air time against 8 x bytes / rate; nothing is held, "
              "so the wall clock is not compared)" if virtual
              else f"where modeled >= {1000 * TARGET_MIN_MODELED_S:g} ms")
     lines.append(f"target |median error| <= {100 * TARGET_MEDIAN_ERROR:g}% {where}: {met}/{len(scoped)} cells "

@@ -340,7 +340,7 @@ class EdgeServer:
             self._refuse(ident, "rate_limited", f"over {self.limiter.rate:g} messages/s; dropped unanswered",
                          answer=False)
             return
-        name = self._sender(ident, frames)
+        name, keyed = self._sender(ident, frames)
         header: dict = {}
         try:
             self._check_sender(name, frames)
@@ -348,6 +348,8 @@ class EdgeServer:
                 header, arrays = P.decode(frames[1:], max_array_bytes=self.max_array_bytes)
             except ProtocolError as exc:
                 raise Refusal("malformed", f"malformed message: {exc}") from None
+            if keyed and (name not in self.routes or security.claims_route(name, header)):
+                self.routes[name] = ident  # replies to the name go here (one entry per listed key at most)
             s = self.sessions.get(name)
             if s is not None and header["type"] != P.REGISTER:
                 s.last_heard = t_arr  # any message is a sign of life, but a register may come from a new process
@@ -364,18 +366,18 @@ class EdgeServer:
             self._refuse(ident, "internal", f"{kind} could not be handled ({type(exc).__name__}); it was dropped",
                          header.get("round"))
 
-    def _sender(self, ident: bytes, frames: list) -> str:
-        """The name a message speaks for: with CURVE on a direct link, the name its key is bound to, never the
-        routing identity (the peer's own choice: a listed key that connected first under another device's
-        name would hold that name, as ZeroMQ ignores a second connection under it); replies to the name go to
-        the connection its messages last came from (`routes`). Else the routing identity."""
+    def _sender(self, ident: bytes, frames: list) -> tuple[str, bool]:
+        """(the name a message speaks for, whether its key says so): with CURVE on a direct link, the name its
+        key is bound to, never the routing identity (the peer's own choice: a listed key that connected first
+        under another device's name would hold that name, as ZeroMQ ignores a second connection under it);
+        replies to the name go to the connection that last registered under it (`routes`,
+        `security.claims_route`). Else the routing identity."""
         key_name = None
         if self.keys is not None and self.channel_mode == "passthrough" and len(frames) > 1:
             key_name = security.sender_name(frames[1])
         if key_name is None or key_name == security.CHANNEL_CLIENT:
-            return ident.decode("utf-8", "replace")
-        self.routes[key_name] = ident  # one entry per listed key at most
-        return key_name
+            return ident.decode("utf-8", "replace"), False
+        return key_name, True
 
     def _check_sender(self, name: str, frames: list) -> None:
         """With CURVE: the routing identity must be the name the sender's key is bound to (or the emulator);

@@ -227,6 +227,14 @@ def sender_name(frame: zmq.Frame) -> str | None:
     return uid or None
 
 
+def claims_route(key_name: str, header: dict | None) -> bool:
+    """Whether a keyed device's message moves the replies to its name onto the connection it came from: only a
+    `register` under the key's own name (a restarted device, its new connection). Any other message, or a
+    register for another name (which the edge refuses), leaves them where they are, so a second holder of a
+    key cannot pull replies off the registered connection message by message."""
+    return isinstance(header, dict) and header.get("type") == "register" and header.get("name") == key_name
+
+
 def check_identity(identity: str, frame: zmq.Frame, *, forwarder: str | None = None) -> str | None:
     """Why a message whose routing identity is `identity` must be refused, or None if it may pass.
 

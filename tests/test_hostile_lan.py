@@ -19,6 +19,7 @@ import pytest
 import zmq
 from test_run_lifecycle import _alive, _children, _kill_all, _profile_data, _start_run, _wait_rounds
 
+from testbed.security import ClientKeys, generate_keys, make_client
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 
@@ -189,3 +190,69 @@ def test_a_killed_channel_emulator_ends_the_run_within_the_liveness_window(micro
 
 
 pytestmark = pytest.mark.timeout(400)
+
+
+def _curve_dealer(ctx: zmq.Context, endpoint: str, keys, routing_id: bytes | None = None) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if routing_id is not None:
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
+    make_client(s, keys)
+    s.connect(endpoint)
+    return s
+
+
+def test_a_keyed_run_refuses_strangers_borrowed_names_and_unauthenticated_stops(micro_pair, tmp_path):
+    """`multispin run` with CURVE keys (real processes, loopback tcp): an unlisted key gets no answer from the
+    emulator or the edge; d1's listed key under the routing id d0 speaks for d1 only (its register as d0 is
+    refused at the edge) and takes nothing from d0; a stop on the control socket without the edge's key is
+    refused. The honest devices go on producing rounds throughout."""
+    keys, strangers = tmp_path / "keys", tmp_path / "strangers"
+    generate_keys(keys, ["d0", "d1"])
+    generate_keys(strangers, ["d0"])
+    server_public = ClientKeys.for_name(keys, "d0").server_public
+    other = ClientKeys.for_name(strangers, "d0")
+    stranger = ClientKeys(other.public, other.secret, server_public)  # knows the server key, is not listed
+    endpoints = _tcp_profile(tmp_path / "p.yaml", micro_pair, rounds=5000, security={"keys": str(keys)})
+    proc = _start_run(tmp_path / "p.yaml", tmp_path / "runs")
+    children: list[int] = []
+    ctx = zmq.Context()
+    try:
+        run_dir = _wait_rounds(tmp_path / "runs", 2, proc)
+        children = _children(proc.pid)
+        # An unlisted key, at the frontend and straight at the edge: the handshake fails, nothing answers.
+        for target in ("channel_frontend", "edge_bind"):
+            s = _curve_dealer(ctx, endpoints[target], stranger, b"d0")
+            s.send_multipart(M.register("d0", 320, {}))
+            assert not s.poll(1500), f"{target} answered an unlisted key"
+        # d1's key under the routing id d0, at the emulator's frontend: forwarded as d1 and refused at the edge;
+        # its register was for another name, so d1's replies stay on d1's registered connection (the refusal
+        # too), and the squatter's connection gets nothing, of d0's or of d1's.
+        squatter = _curve_dealer(ctx, endpoints["channel_frontend"], ClientKeys.for_name(keys, "d1"), b"d0")
+        squatter.send_multipart(M.register("d0", 320, {}))
+        assert not squatter.poll(3000), P.decode_header(squatter.recv_multipart()[0])
+        # A stop with a device's key on the control socket: refused; with no key at all: no handshake.
+        for ctl_keys in (ClientKeys.for_name(keys, "d0"), None):
+            ctl = _curve_dealer(ctx, endpoints["channel_control"], ctl_keys)
+            ctl.send_multipart([b"", P.encode_header({"type": "stop"})])
+            if ctl_keys is None:
+                assert not ctl.poll(1500)
+            else:
+                assert ctl.poll(5000) and not json.loads(ctl.recv_multipart()[-1])["ok"]
+        after = (run_dir / "rounds.jsonl").read_text().count("\n") + 5
+        _wait_rounds(tmp_path / "runs", after, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and summary["channel_stats"]["counters"]["control_refused"] >= 1
+        assert summary["refusals"].get("invalid", 0) >= 1, summary["refusals"]  # the register as d0
+        d1_log = (run_dir / "logs" / "device-d1.log").read_text()
+        assert "register.name: 'd0' differs from the sender's name 'd1'" in d1_log
+        records = [json.loads(x) for x in (run_dir / "rounds.jsonl").read_text().splitlines()]
+        late = records[after - 5:after]
+        assert all(not r["missed"] and set(r["devices"]) == {"d0", "d1"} for r in late), late[-1]["missed"]
+        assert all(not _alive(c) for c in children)
+    finally:
+        ctx.destroy(linger=0)
+        _kill_all([proc, *children])

@@ -252,7 +252,7 @@ class AsyncRounds:
 
     # -- a cycle ends ----------------------------------------------------------------------------
     def _close(self, name: str, *, late: bool) -> None:
-        """Record the cycle (written at once; fsynced with the others at most once a second), feed the
+        """Record the cycle (written at once; fsynced as it is written), feed the
         controller, and make way for the next one."""
         srv = self.srv
         c, cur = self.open.pop(name), srv.cycles[name]

@@ -5,7 +5,7 @@ device gets its schedule; drafts are collected until every scheduled device draf
 deadline; ONE `verifier.verify` call scores every device's drafts; accept/reject runs here for every device
 (shared sampling code); UL-mode corrections are sampled here, DL-mode devices get p_j and correct
 themselves; each device reports back; the round record (predicted next to measured, per phase and device)
-is written as the round ends (`testbed.records`: fsynced at most once a second). With a virtual channel the
+is written as the round ends (`testbed.records`: fsynced as it is written). With a virtual channel the
 record's measured times are on the virtual clock (measured compute + the emulator's annotated air time;
 `_virtual_round`).
 

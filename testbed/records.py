@@ -1,5 +1,5 @@
-"""The run directory: metadata, one JSON line per round (written at once, fsynced at most once a second),
-outputs and a summary.
+"""The run directory: metadata, one JSON line per round (written and fsynced as the round ends), outputs and a
+summary.
 
 Layout of ``runs/<stamp>/``:
   meta.json       profile snapshot, git revision, package versions, host, channel mode, start time, pid;
@@ -14,9 +14,11 @@ Layout of ``runs/<stamp>/``:
 
 Durability: each line is in the file (the kernel's page cache) when the call returns, so a crash of the
 process, kill -9 included, keeps every line written. fsync, which only a power cut or a kernel crash needs,
-costs about as much as the rest of a round's bookkeeping together; the two logs are fsynced together at most
-every `sync_interval_s` (1 s), when the recorder closes, and by `sync()`. A power cut can therefore lose the
-lines of the last second, the same for both logs (never a partial line that the reader keeps).
+costs about as much as the rest of a round's bookkeeping together (0.2 ms here), so by default a thread of the
+recorder makes it as soon as a line is written, off the round's path (`_Syncer`); a failed fsync is raised by
+the next write. With `sync_interval_s` the logs are instead fsynced inline, together, at most that often (0:
+after every line). Either way they are fsynced when the recorder closes and by `sync()`, and a partial line
+is never left for a reader to keep.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -151,25 +154,60 @@ class _JsonLines:
 
     def sync(self) -> None:
         if self.dirty and not self.fh.closed:
+            self.dirty = False  # before the fsync: a line appended meanwhile marks it again
             os.fsync(self.fh.fileno())
-            self.dirty = False
 
     def close(self) -> None:
         if not self.fh.closed:
             self.fh.close()
 
 
+class _Syncer(threading.Thread):
+    """fsyncs the logs each time `wake` is called, in a thread of its own (fsync releases the GIL, so the round
+    goes on meanwhile); the first error is kept in `error` for the writer to raise."""
+
+    def __init__(self, logs):
+        super().__init__(name="multispin-records-fsync", daemon=True)
+        self.logs = logs  # a callable: the logs open now
+        self.error: OSError | None = None
+        self._wake, self._stopping = threading.Event(), False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                for lines in self.logs():
+                    lines.sync()
+            except OSError as exc:
+                self.error = self.error or exc
+            except ValueError:  # a log closed meanwhile (the recorder closes after stopping this thread)
+                pass
+            if self._stopping:
+                return
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self.join(10)
+
+
 class RunRecorder:
     """Writes one run directory. Every write is complete or absent: a round is one line (a write that fails is
     cut back to the last complete line and raises a TestbedError), so is each progress entry; the JSON files
     are replaced atomically. Opening an existing directory (a resumed run) cuts torn last lines. The logs are
-    fsynced every `sync_interval_s` (0: after every line), on `sync()` and on `close()` (see the module's
+    fsynced as each line is written, by a thread of the recorder (`sync_interval_s` None), or inline at most
+    every `sync_interval_s` (0: after every line); and on `sync()` and on `close()` (see the module's
     docstring)."""
 
-    def __init__(self, run_dir: str | Path, *, sync_interval_s: float = 1.0):
+    def __init__(self, run_dir: str | Path, *, sync_interval_s: float | None = None):
         self.dir = Path(run_dir)
-        self.sync_interval_s = float(sync_interval_s)
+        self.sync_interval_s = None if sync_interval_s is None else float(sync_interval_s)
         self._last_sync = -math.inf
+        self._syncer: _Syncer | None = None
         self._progress_log: _JsonLines | None = None  # opened by the first write_progress
         self._progress_sent: dict[str, dict] = {}  # device -> its entry as the progress log has it
         try:
@@ -251,17 +289,31 @@ class RunRecorder:
         self._sync_due()
         self.write_s += time.perf_counter() - t
 
+    def _logs(self) -> list[_JsonLines]:
+        return [lines for lines in (self._rounds_log, self._progress_log) if lines is not None]
+
     def _sync_due(self) -> None:
-        if time.monotonic() - self._last_sync >= self.sync_interval_s:
+        if self.sync_interval_s is None:
+            self._raise_sync_error()
+            if self._syncer is None:
+                self._syncer = _Syncer(self._logs)
+                self._syncer.start()
+            self._syncer.wake()
+        elif time.monotonic() - self._last_sync >= self.sync_interval_s:
             self.sync()
+
+    def _raise_sync_error(self) -> None:
+        if self._syncer is not None and self._syncer.error is not None:
+            exc, self._syncer.error = self._syncer.error, None
+            raise unwritable(self.dir, exc)
 
     def sync(self) -> None:
         """fsync what the logs hold (rounds, then progress); a TestbedError when the disk refuses."""
         self._last_sync = time.monotonic()
+        self._raise_sync_error()
         try:
-            for lines in (self._rounds_log, self._progress_log):
-                if lines is not None:
-                    lines.sync()
+            for lines in self._logs():
+                lines.sync()
         except OSError as exc:
             raise unwritable(self.dir, exc) from None
 
@@ -285,6 +337,8 @@ class RunRecorder:
 
     def close(self) -> None:
         """fsync and close the logs (a failed fsync is logged: the lines are written, only not yet durable)."""
+        if self._syncer is not None:
+            self._syncer.stop()
         try:
             self.sync()
         except TestbedError as exc:

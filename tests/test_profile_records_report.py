@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
 
 from testbed import report
 from testbed.controller import Controller, DeviceOutcome, round_record
+from testbed.errors import TestbedError
 from testbed.profile import ProfileError, load_profile
 from testbed.records import RunRecorder, load_progress, load_run
 from testbed.scenario_file import load_scenario
@@ -129,6 +131,43 @@ def test_the_logs_are_fsynced_together_at_most_once_per_interval_and_on_close(tm
         every.append_round({"round": r})
     every.close()
     assert len(synced) == 8
+
+
+def test_by_default_every_line_is_fsynced_as_it_is_written_off_the_writers_path(tmp_path, monkeypatch):
+    synced, real_fsync = [], os.fsync
+    rounds_fd = []
+
+    def fsync(fd):
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    rec = RunRecorder(tmp_path)
+    rounds_fd.append(rec._rounds_log.fh.fileno())
+    for r in range(5):
+        before = synced.count(rounds_fd[0])
+        rec.append_round({"round": r})
+        end = time.monotonic() + 5
+        while synced.count(rounds_fd[0]) == before and time.monotonic() < end:
+            time.sleep(0.001)
+        assert synced.count(rounds_fd[0]) > before, f"round {r} was not fsynced"
+    assert rec._syncer.name == "multispin-records-fsync" and rec._syncer.is_alive()
+
+    # A failed fsync in that thread is raised by the next write, as a clear error; the lines stay whole.
+    def broken(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", broken)
+    rec.append_round({"round": 5})
+    end = time.monotonic() + 5
+    while rec._syncer.error is None and time.monotonic() < end:
+        time.sleep(0.001)
+    with pytest.raises(TestbedError, match="No space left"):
+        rec.append_round({"round": 6})
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    rec.close()
+    assert not rec._syncer.is_alive()
+    assert [json.loads(x)["round"] for x in (tmp_path / "rounds.jsonl").read_text().splitlines()] == list(range(7))
 
 
 def test_controller_estimates():

@@ -420,8 +420,14 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def json_text(obj: Any, *, indent: int | None = None) -> str:
+    """Strict JSON for files and --json output: a non-finite number is null (never NaN or Infinity, which
+    strict parsers refuse), numpy values as plain numbers."""
+    return json.dumps(_nan_to_none(obj), default=_json_default, indent=indent, allow_nan=False)
+
+
 def _nan_to_none(obj: Any):
-    if isinstance(obj, float) and obj != obj:
+    if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
         return {k: _nan_to_none(v) for k, v in obj.items()}

@@ -236,3 +236,12 @@ def test_report_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "goodput: measured" in out and (tmp_path / "plots" / "timeline.png").exists()
     assert main(["report", str(tmp_path / "nope")]) == 2
+
+
+def test_json_text_is_strict_json_with_null_for_non_finite_numbers():
+    from testbed.records import json_text
+
+    text = json_text({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": np.float64("nan"),
+                      "d": np.arange(2)}, indent=1)
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict constant {c}")) == {
+        "a": None, "b": [None, None, 1.5], "c": None, "d": [0, 1]}

@@ -4,10 +4,10 @@ a real link (`probe`)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from channel_emulator import DEFAULT_SPIN_S
+from testbed.records import json_text
 
 
 def _floats(field: str):
@@ -114,7 +114,7 @@ def _validate(args) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     if args.json:
-        print(json.dumps({"mode": args.mode, "lead": lead_info, "cells": [c.summary() for c in cells]}, indent=1))
+        print(json_text({"mode": args.mode, "lead": lead_info, "cells": [c.summary() for c in cells]}, indent=1))
     else:
         if args.mode == "virtual":  # nothing is held, so no transport lead applies
             print("mode virtual; no lead (messages are forwarded at once and only annotated)")
@@ -180,6 +180,6 @@ def _probe(args) -> int:
     if args.out:
         from pathlib import Path
 
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps(res, indent=1) if args.json else link_probe.format_result(res))
+        Path(args.out).write_text(json_text(res, indent=1) + "\n")
+    print(json_text(res, indent=1) if args.json else link_probe.format_result(res))
     return 0

@@ -112,7 +112,8 @@ def run(args) -> int:
     except (ScenarioError, OptimizerError) as exc:
         raise CliError(str(exc)) from None
     d = result.to_dict()
-    print(json.dumps(with_vocabulary(d)) if args.json else format_plan(d))
+    from testbed.records import json_text
+    print(json_text(with_vocabulary(d)) if args.json else format_plan(d))
     return 0
 
 

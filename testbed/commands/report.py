@@ -17,7 +17,6 @@ def register(subparsers) -> None:
 
 
 def handle(args) -> int:
-    import json
 
     from testbed import report
     from testbed.cli import CliError
@@ -35,7 +34,8 @@ def handle(args) -> int:
         raise CliError(f"{run_dir}: rounds.jsonl holds no complete round")
     summary = report.summarize(records)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        from testbed.records import json_text
+        print(json_text(summary, indent=2))
     else:
         status = meta.get("status", "unknown")
         print(f"{run_dir} (status {status}, git {meta.get('git_revision')})")

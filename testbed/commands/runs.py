@@ -19,7 +19,6 @@ def register(subparsers) -> None:
 
 
 def handle(args) -> int:
-    import json
 
     from testbed.cli import CliError
     from testbed.runs_index import find_runs, format_runs_table
@@ -30,7 +29,8 @@ def handle(args) -> int:
     if args.last:
         infos = infos[-args.last:]
     if args.json:
-        print(json.dumps([i.as_dict() for i in infos], indent=2))
+        from testbed.records import json_text
+        print(json_text([i.as_dict() for i in infos], indent=2))
     else:
         print(format_runs_table(infos) if infos else f"no runs in {args.dir}")
     return 0
@@ -58,7 +58,6 @@ def wants_many(args) -> bool:
 def report_many(args) -> int:
     """`report A B ...` (and a compare directory): side by side, the spread per policy, its bar chart; or,
     with --csv / --parquet, the flat export of the runs."""
-    import json
 
     from testbed.runs_index import aggregate, expand_run_dirs, format_aggregate, is_group_dir, plot_compare, run_info
 
@@ -69,7 +68,8 @@ def report_many(args) -> int:
     infos = [run_info(d, fresh=True) for d in dirs]
     rows = aggregate(infos)
     if args.json:
-        print(json.dumps({"runs": [{**i.as_dict(), "summary": i.summary} for i in infos], "per_policy": rows},
+        from testbed.records import json_text
+        print(json_text({"runs": [{**i.as_dict(), "summary": i.summary} for i in infos], "per_policy": rows},
                          indent=2))
     else:
         from testbed.runs_index import side_by_side

@@ -308,7 +308,6 @@ def _write_meta(path: Path, args, base, key: str, values: list, policies: list[s
                 jobs: int) -> None:
     """What reproduces the results: the command line, seed, sweep, the scenario as planned, and the code
     (git revision when run from a checkout, the package version always) and when."""
-    import json
     import sys
     from datetime import datetime, timezone
 
@@ -326,7 +325,8 @@ def _write_meta(path: Path, args, base, key: str, values: list, policies: list[s
             "execution": ({"ray": args.ray or "local", **({} if args.ray else {"num_cpus": jobs})}
                           if args.ray is not None else {"jobs": jobs}),
             "scenario": base.model_dump(mode="json")}
-    path.write_text(json.dumps(meta, indent=2) + "\n")
+    from testbed.records import json_text
+    path.write_text(json_text(meta, indent=2) + "\n")
 
 
 def _write_csv(rows: list[dict], path: Path) -> None:

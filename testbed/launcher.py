@@ -409,7 +409,8 @@ def run_live(profile: Profile, run_dir: Path, *, progress: bool = True, start_de
     from testbed.records import RunRecorder
 
     with interrupt_signals():
-        recorder = RunRecorder(run_dir)  # a clear error now if the runs directory is not writable
+        # a clear error now if the runs directory is not writable
+        recorder = RunRecorder(run_dir, sync_interval_s=profile.records_sync_interval_s)
         try:
             if resume is None:
                 recorder.write_meta(profile.snapshot(), status="running", pid=os.getpid())

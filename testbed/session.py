@@ -268,7 +268,7 @@ def run_session(s: LiveSession, *, progress: bool = True, on_round=None, recorde
 
 def open_run(s: LiveSession, recorder: RunRecorder | None = None) -> None:
     """The recorder, the process owner, the private socket folder, and meta.json (status running)."""
-    s.recorder = recorder or RunRecorder(s.run_dir)
+    s.recorder = recorder or RunRecorder(s.run_dir, sync_interval_s=s.profile.records_sync_interval_s)
     s.launcher = Launcher(s.run_dir / "logs")
     s.tmp = Path(tempfile.mkdtemp(prefix="ms-"))  # short paths: ipc:// names are limited to ~100 bytes
     p = s.profile

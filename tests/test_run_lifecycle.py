@@ -281,15 +281,24 @@ def test_multispin_edge_on_all_interfaces_refuses_without_keys(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_run_with_keys_uses_curve_everywhere(micro_pair, tmp_path):
+def test_a_run_with_keys_uses_curve_everywhere(micro_pair, tmp_path, monkeypatch):
     import inspect
 
     from edge_node.server import EdgeServer
+    from testbed import records as records_module
     from testbed.security import generate_keys, stop_authenticators
 
     generate_keys(tmp_path / "keys", ["d0", "d1"])
     profile = load_profile(_profile_data(micro_pair, rounds=4, channel={"mode": "real"},
-                                         security={"keys": str(tmp_path / "keys")}))
+                                         security={"keys": str(tmp_path / "keys")}, records_sync_interval_s=30))
+    intervals = []  # the profile's records_sync_interval_s reaches the run's recorder
+    real_init = records_module.RunRecorder.__init__
+
+    def spy(self, *args, **kw):
+        intervals.append(kw.get("sync_interval_s"))
+        real_init(self, *args, **kw)
+
+    monkeypatch.setattr(records_module.RunRecorder, "__init__", spy)
     try:
         if "keys_dir" not in inspect.signature(EdgeServer).parameters:  # an edge without CURVE: said clearly
             with pytest.raises(TestbedError, match="takes no keys_dir"):
@@ -300,6 +309,7 @@ def test_a_run_with_keys_uses_curve_everywhere(micro_pair, tmp_path):
         stop_authenticators()
     meta, records = load_run(tmp_path / "run")
     assert summary["status"] == "complete" and len(records) == 4 and meta["security"] == "keys"
+    assert intervals == [30.0]
     log = (tmp_path / "run" / "logs" / "device-d0.log").read_text()
     assert "registered" in log or "session" in log
 

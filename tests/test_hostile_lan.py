@@ -102,6 +102,19 @@ def _fuzz(endpoints: dict, n: int, seed: int = 0) -> None:
         ctx.destroy(linger=0)
 
 
+def _more_rounds_then_sigterm(proc, run_dir: Path, more: int) -> tuple[int, dict]:
+    """Wait for `more` rounds beyond those on disk, stop the run with SIGTERM; (rounds waited for, summary of
+    the interrupted run)."""
+    after = (run_dir / "rounds.jsonl").read_text().count("\n") + more
+    _wait_rounds(run_dir.parent, after, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted", summary.get("reason")
+    return after, summary
+
+
 def test_a_fuzzed_lan_does_not_stop_the_run(micro_pair, tmp_path):
     endpoints = _tcp_profile(tmp_path / "p.yaml", micro_pair, rounds=5000)
     proc = _start_run(tmp_path / "p.yaml", tmp_path / "runs")
@@ -111,13 +124,7 @@ def test_a_fuzzed_lan_does_not_stop_the_run(micro_pair, tmp_path):
         children = _children(proc.pid)
         _fuzz(endpoints, FUZZ_MESSAGES)
         # The honest devices go on after the attack: ten more rounds, then the run is stopped (SIGTERM).
-        after = (run_dir / "rounds.jsonl").read_text().count("\n") + 10
-        _wait_rounds(tmp_path / "runs", after, proc)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["status"] == "interrupted", summary.get("reason")
+        after, summary = _more_rounds_then_sigterm(proc, run_dir, 10)
         # The attack reached both nodes: the edge refused its share, the emulator counted what it dropped.
         assert summary["refused_messages"] >= FUZZ_MESSAGES // 10, summary["refusals"]
         counters = summary["channel_stats"]["counters"]
@@ -239,13 +246,8 @@ def test_a_keyed_run_refuses_strangers_borrowed_names_and_unauthenticated_stops(
                 assert not ctl.poll(1500)
             else:
                 assert ctl.poll(5000) and not json.loads(ctl.recv_multipart()[-1])["ok"]
-        after = (run_dir / "rounds.jsonl").read_text().count("\n") + 5
-        _wait_rounds(tmp_path / "runs", after, proc)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["status"] == "interrupted" and summary["channel_stats"]["counters"]["control_refused"] >= 1
+        after, summary = _more_rounds_then_sigterm(proc, run_dir, 5)
+        assert summary["channel_stats"]["counters"]["control_refused"] >= 1
         assert summary["refusals"].get("invalid", 0) >= 1, summary["refusals"]  # the register as d0
         d1_log = (run_dir / "logs" / "device-d1.log").read_text()
         assert "register.name: 'd0' differs from the sender's name 'd1'" in d1_log

@@ -428,3 +428,39 @@ def test_launcher_passes_the_token_in_the_environment(tmp_path, monkeypatch):
     Launcher(tmp_path).start_channel("ipc://f", "ipc://e", "ipc://c", "real", 0.001, token="abc", keys_dir="/k")
     assert seen["env"] == {"MULTISPIN_CHANNEL_TOKEN": "abc"}
     assert "abc" not in seen["argv"] and seen["argv"][-2:] == ["--keys", "/k"]
+
+
+def test_a_killed_edge_resumed_gets_its_reconnecting_devices_back(micro_pair, tmp_path):
+    """LAN workflow: `multispin edge` and two `multispin device --reconnect` processes; kill -9 of the edge
+    after 3 rounds, then `multispin edge --resume RUN_DIR`: the devices notice the silence, register again
+    with the new edge, and the run completes with every round once (before, devices registered once and then
+    waited a fixed 300 s)."""
+    rounds = 8
+    prof = _write_profile(tmp_path / "p.yaml", micro_pair, rounds=rounds, channel={"mode": "passthrough"},
+                          heartbeat_s=0.2, liveness=5)
+    ep = f"ipc://{tmp_path}/edge"
+    runs = tmp_path / "runs"
+    edge_cmd = [*CLI, "edge", "--bind", ep, "--quiet"]
+    edge = subprocess.Popen([*edge_cmd, "--profile", str(prof), "--runs-dir", str(runs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    devices = [subprocess.Popen([*CLI, "device", "--connect", ep, "--name", name, "--draft", str(micro_pair.draft_onnx),
+                                 "--reconnect"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for name in ("d0", "d1")]
+    again = None
+    try:
+        run_dir = _wait_rounds(runs, 3, edge)
+        edge.kill()
+        edge.wait(10)
+        before = _check_rounds_file(run_dir)
+        again = subprocess.Popen([*edge_cmd, "--resume", str(run_dir)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        out, _ = again.communicate(timeout=240)
+        assert again.returncode == 0, out[-3000:]
+        logs = [d.communicate(timeout=30)[1] for d in devices]
+        assert [d.returncode for d in devices] == [0, 0], [x[-2000:] for x in logs]
+    finally:
+        _kill_all([p for p in (edge, again, *devices) if p is not None])
+    resumed = _check_rounds_file(run_dir)
+    assert resumed[: len(before)] == before and resumed == list(range(rounds))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "complete"
+    assert all("registering again" in x for x in logs), [x[-1500:] for x in logs]

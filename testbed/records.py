@@ -155,7 +155,11 @@ class _JsonLines:
     def sync(self) -> None:
         if self.dirty and not self.fh.closed:
             self.dirty = False  # before the fsync: a line appended meanwhile marks it again
-            os.fsync(self.fh.fileno())
+            try:
+                os.fsync(self.fh.fileno())
+            except BaseException:  # not durable yet: the next sync tries again
+                self.dirty = True
+                raise
 
     def close(self) -> None:
         if not self.fh.closed:

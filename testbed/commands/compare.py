@@ -67,13 +67,12 @@ def run_policy(profile, run_dir: Path, pair: dict, *, progress: bool, plots: boo
 def write_comparison(parent: Path, policies: list[str], repeats: int, infos: list, *, plots: bool):
     """compare.txt, compare.json and (with `plots`) plots/compare_goodput.png of a compare directory; returns
     (per-policy rows, the table as text, the plot paths)."""
-
+    from testbed.records import json_text
     from testbed.runs_index import aggregate, format_aggregate, plot_compare
 
     rows = aggregate(infos)
     text = format_aggregate(rows, reference=policies[0])
     (parent / "compare.txt").write_text(text + "\n")
-    from testbed.records import json_text
     (parent / "compare.json").write_text(json_text({"policies": policies, "repeats": repeats, "per_policy": rows,
                                                       "runs": [i.as_dict() for i in infos]}, indent=2))
     paths = plot_compare(rows, Path(parent) / "plots", title=parent.name) if plots else []

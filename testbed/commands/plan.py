@@ -101,6 +101,7 @@ def run(args) -> int:
     from testbed.core.optimizer import OptimizerError, plan
     from testbed.core.scenario import ScenarioError
     from testbed.plugins import load_policy
+    from testbed.records import json_text
 
     if args.channel_rounds is not None:
         return channel_rounds(args)
@@ -112,7 +113,6 @@ def run(args) -> int:
     except (ScenarioError, OptimizerError) as exc:
         raise CliError(str(exc)) from None
     d = result.to_dict()
-    from testbed.records import json_text
     print(json_text(with_vocabulary(d)) if args.json else format_plan(d))
     return 0
 

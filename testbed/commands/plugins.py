@@ -16,13 +16,12 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     """Exit status 1 when an installed plug-in does not load or does not satisfy its interface."""
-
     from testbed.plugins import CHANNEL_GROUP, POLICY_GROUP, installed
+    from testbed.records import json_text
 
     found = installed()
     bad = [r for rows in found.values() for r in rows if not r["ok"]]
     if args.json:
-        from testbed.records import json_text
         print(json_text(found, indent=2))
         return 1 if bad else 0
     for kind, title, group in (("policies", "policies", POLICY_GROUP), ("channels", "channel sources", CHANNEL_GROUP)):

@@ -17,11 +17,10 @@ def register(subparsers) -> None:
 
 
 def handle(args) -> int:
-
     from testbed import report
     from testbed.cli import CliError
     from testbed.commands.runs import report_many, wants_many
-    from testbed.records import load_run
+    from testbed.records import json_text, load_run
 
     if wants_many(args):
         return report_many(args)
@@ -34,7 +33,6 @@ def handle(args) -> int:
         raise CliError(f"{run_dir}: rounds.jsonl holds no complete round")
     summary = report.summarize(records)
     if args.json:
-        from testbed.records import json_text
         print(json_text(summary, indent=2))
     else:
         status = meta.get("status", "unknown")

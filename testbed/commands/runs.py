@@ -19,8 +19,8 @@ def register(subparsers) -> None:
 
 
 def handle(args) -> int:
-
     from testbed.cli import CliError
+    from testbed.records import json_text
     from testbed.runs_index import find_runs, format_runs_table
 
     if args.last is not None and args.last < 1:
@@ -29,7 +29,6 @@ def handle(args) -> int:
     if args.last:
         infos = infos[-args.last:]
     if args.json:
-        from testbed.records import json_text
         print(json_text([i.as_dict() for i in infos], indent=2))
     else:
         print(format_runs_table(infos) if infos else f"no runs in {args.dir}")
@@ -58,7 +57,7 @@ def wants_many(args) -> bool:
 def report_many(args) -> int:
     """`report A B ...` (and a compare directory): side by side, the spread per policy, its bar chart; or,
     with --csv / --parquet, the flat export of the runs."""
-
+    from testbed.records import json_text
     from testbed.runs_index import aggregate, expand_run_dirs, format_aggregate, is_group_dir, plot_compare, run_info
 
     named = [args.run_dir, *args.more_runs]
@@ -68,7 +67,6 @@ def report_many(args) -> int:
     infos = [run_info(d, fresh=True) for d in dirs]
     rows = aggregate(infos)
     if args.json:
-        from testbed.records import json_text
         print(json_text({"runs": [{**i.as_dict(), "summary": i.summary} for i in infos], "per_policy": rows},
                          indent=2))
     else:

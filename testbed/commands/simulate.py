@@ -312,7 +312,7 @@ def _write_meta(path: Path, args, base, key: str, values: list, policies: list[s
     from datetime import datetime, timezone
 
     from testbed import __version__
-    from testbed.records import git_revision, package_versions
+    from testbed.records import git_revision, json_text, package_versions
 
     meta = {"created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "argv": sys.argv,
             "command": "simulate", "version": __version__, "git_revision": git_revision(),
@@ -325,7 +325,6 @@ def _write_meta(path: Path, args, base, key: str, values: list, policies: list[s
             "execution": ({"ray": args.ray or "local", **({} if args.ray else {"num_cpus": jobs})}
                           if args.ray is not None else {"jobs": jobs}),
             "scenario": base.model_dump(mode="json")}
-    from testbed.records import json_text
     path.write_text(json_text(meta, indent=2) + "\n")
 
 

@@ -443,8 +443,7 @@ def _nan_to_none(obj: Any):
 def _write_json(path: Path, obj: Any, fsync: bool = True) -> None:
     """Write a temporary file (fsynced), rename it over `path`: readers see the old file or the new one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    data = json.dumps(_nan_to_none(obj), default=_json_default, indent=2 if fsync else None,
-                      allow_nan=False).encode()
+    data = json_text(obj, indent=2 if fsync else None).encode()
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)

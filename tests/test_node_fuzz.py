@@ -52,10 +52,13 @@ from test_wire_fuzz import (
     _at,
     _containers,
     _paths,
+    encode_spliced,
     json_values,
+    mutate_frames,
     mutated_messages,
     random_frames,
     random_json_headers,
+    raw_marker,
 )
 
 from channel_emulator.proxy import ChannelControl, ChannelProxy, ConfigError, parse_configure
@@ -116,7 +119,7 @@ def mutated(draw, frames: list) -> list:
         frames = [bytes(f) for f in P.encode(header, arrays)]
     header = json.loads(frames[0])
     splices: dict[bytes, bytes] = {}
-    for i in range(draw(st.integers(0, 3))):
+    for _ in range(draw(st.integers(0, 3))):
         action = draw(st.sampled_from(["set", "raw", "raw", "nudge", "nudge", "delete", "add"]))
         own = draw(st.integers(0, 3)) != 3  # mostly the message's own fields, not its envelope
         where = draw(st.integers(0, 2**16 - 1))
@@ -141,34 +144,10 @@ def mutated(draw, frames: list) -> list:
         if action not in ("set", "raw") or path is None:
             path = container + (new_key,)
         if raw is not None:
-            marker = f"@@raw{i}@@"
-            splices[json.dumps(marker).encode()] = raw
-            value = marker
+            value = raw_marker(splices, raw)
         _at(header, path[:-1])[path[-1]] = value
-    text = json.dumps(header).encode()
-    for marker, raw in splices.items():
-        text = text.replace(marker, raw)
-    frames[0] = text
-    return _frame_mutation(draw, frames)
-
-
-def _frame_mutation(draw, frames: list) -> list:
-    """test_wire_fuzz._mutate_frames, with draws independent of the frames (see `_pick`)."""
-    action = draw(st.sampled_from(["none", "none", "none", "drop", "extra", "truncate", "scramble", "swap"]))
-    i = 1 + draw(st.integers(0, 2**16 - 1)) % max(1, len(frames) - 1)
-    cut, noise = draw(st.integers(0, 2**16 - 1)), draw(st.integers(0, 2**32 - 1))
-    extra = draw(st.binary(max_size=64))
-    if action == "drop" and len(frames) > 1:
-        del frames[i]
-    elif action == "extra":
-        frames.append(extra)
-    elif action == "truncate" and len(frames) > 1:
-        frames[i] = frames[i][: cut % max(1, len(frames[i]))]
-    elif action == "scramble" and len(frames) > 1:  # same length, random content: NaN rows, bad ids
-        frames[i] = np.random.default_rng(noise).bytes(len(frames[i]))
-    elif action == "swap" and len(frames) > 2:
-        frames[1], frames[2] = frames[2], frames[1]
-    return frames
+    frames[0] = encode_spliced(header, splices)
+    return mutate_frames(draw, frames)
 
 
 any_message = st.one_of(random_frames, random_json_headers(), mutated_messages())
@@ -505,15 +484,10 @@ def control_requests(draw) -> list:
               "lead_per_byte_s": st.floats(0, 1.5), "mode": st.sampled_from(["real", "virtual", "x"])}
     for key in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4)):
         msg[key] = draw(fields[key] if sane else json_values)
-    splices = {}
-    for i, key in enumerate(draw(st.lists(st.sampled_from(CONTROL_KEYS), max_size=0 if sane else 2))):
-        marker = f"@@raw{i}@@"
-        splices[json.dumps(marker).encode()] = draw(st.sampled_from(NASTY_RAW))
-        msg[key] = marker
-    text = json.dumps(msg, allow_nan=True).encode()
-    for marker, raw in splices.items():
-        text = text.replace(marker, raw)
-    return [text, *draw(st.lists(st.binary(max_size=16), max_size=1))]
+    splices: dict[bytes, bytes] = {}
+    for key in draw(st.lists(st.sampled_from(CONTROL_KEYS), max_size=0 if sane else 2)):
+        msg[key] = raw_marker(splices, draw(st.sampled_from(NASTY_RAW)))
+    return [encode_spliced(msg, splices), *draw(st.lists(st.binary(max_size=16), max_size=1))]
 
 
 def _control_valid(frame: bytes) -> bool:

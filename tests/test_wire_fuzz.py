@@ -264,6 +264,22 @@ def _at(root, path):
     return root
 
 
+def raw_marker(splices: dict[bytes, bytes], raw: bytes) -> str:
+    """A placeholder value standing for `raw` (bytes JSON cannot carry: NaN, huge ints, deep nesting), which
+    `encode_spliced` puts in its place."""
+    marker = f"@@raw{len(splices)}@@"
+    splices[json.dumps(marker).encode()] = raw
+    return marker
+
+
+def encode_spliced(header: dict, splices: dict[bytes, bytes]) -> bytes:
+    """`header` as JSON with each `raw_marker` replaced by its raw bytes."""
+    text = json.dumps(header).encode()
+    for marker, raw in splices.items():
+        text = text.replace(marker, raw)
+    return text
+
+
 @st.composite
 def mutated_messages(draw) -> list:
     """A valid message of a random type, 1-3 of its fields (or new ones) set to nasty values, maybe a frame
@@ -271,7 +287,7 @@ def mutated_messages(draw) -> list:
     frames = list(VALID[draw(st.sampled_from(sorted(VALID)))])
     header = json.loads(frames[0])
     splices: dict[bytes, bytes] = {}
-    for i in range(draw(st.integers(1, 3))):
+    for _ in range(draw(st.integers(1, 3))):
         action = draw(st.sampled_from(["set", "set", "raw", "raw", "delete", "add"]))
         paths = _paths(header)
         # Mostly the message's own fields: a broken envelope (v, type, the arrays table) stops at decode and
@@ -288,31 +304,29 @@ def mutated_messages(draw) -> list:
         else:
             path = draw(st.sampled_from(_containers(header))) + (draw(st.sampled_from(KNOWN_KEYS)),)
         if draw(st.booleans()) or action == "raw":
-            marker = f"@@raw{i}@@"
-            splices[json.dumps(marker).encode()] = draw(st.sampled_from(NASTY_RAW))
-            value = marker
+            value = raw_marker(splices, draw(st.sampled_from(NASTY_RAW)))
         else:
             value = draw(json_values)
         _at(header, path[:-1])[path[-1]] = value
-    text = json.dumps(header).encode()
-    for marker, raw in splices.items():
-        text = text.replace(marker, raw)
-    frames[0] = text
-    return _mutate_frames(draw, frames)
+    frames[0] = encode_spliced(header, splices)
+    return mutate_frames(draw, frames)
 
 
-def _mutate_frames(draw, frames: list) -> list:
+def mutate_frames(draw, frames: list) -> list:
+    """One frame-level mutation (drop, extra, truncate, scramble, swap, or none); the draws are the same
+    whatever `frames` holds, so an example shrinks without changing what was drawn."""
     action = draw(st.sampled_from(["none", "none", "none", "drop", "extra", "truncate", "scramble", "swap"]))
+    i = 1 + draw(st.integers(0, 2**16 - 1)) % max(1, len(frames) - 1)
+    cut, noise = draw(st.integers(0, 2**16 - 1)), draw(st.integers(0, 2**32 - 1))
+    extra = draw(st.binary(max_size=64))
     if action == "drop" and len(frames) > 1:
-        del frames[draw(st.integers(1, len(frames) - 1))]
+        del frames[i]
     elif action == "extra":
-        frames.append(draw(st.binary(max_size=64)))
+        frames.append(extra)
     elif action == "truncate" and len(frames) > 1:
-        i = draw(st.integers(1, len(frames) - 1))
-        frames[i] = frames[i][: draw(st.integers(0, max(0, len(frames[i]) - 1)))]
+        frames[i] = frames[i][: cut % max(1, len(frames[i]))]
     elif action == "scramble" and len(frames) > 1:  # same length, random content: NaN rows, bad ids
-        i = draw(st.integers(1, len(frames) - 1))
-        frames[i] = draw(st.binary(min_size=len(frames[i]), max_size=len(frames[i])))
+        frames[i] = np.random.default_rng(noise).bytes(len(frames[i]))
     elif action == "swap" and len(frames) > 2:
         frames[1], frames[2] = frames[2], frames[1]
     return frames

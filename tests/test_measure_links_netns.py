@@ -205,14 +205,23 @@ def test_the_optimizer_moves_a_device_between_modes_when_the_tbf_limit_changes_m
     assert after.count("UL") >= 9, modes
     # The move came from the measured links, within a few rounds of the change (7 seen on 2 cores).
     assert "UL" in modes[switched:switched + 15], modes
-    # The plan stood on the measured rates: the uplink after the change (its probe sweep) within 10% of the
-    # tbf limit. The downlink before the change (the rounds' verdicts at 40 Mbit/s: 61 ms each) within 20%:
-    # on 2 loaded cores 2 of 10 runs read +17% and +19% (otherwise +1..+5%), the fit's bias under load, not
-    # traced yet (see docs/real-links.md). The downlink's last estimate is looser still: in UL mode no large
-    # verdict refreshes it, and the few slow ones before the move may include the one in flight at the
-    # change, partly sent at the fast rate (seen: 4.71 Mbit/s for 4).
+    # The plan stood on the measured rates. The uplink's first sweep after the change (the sweep that moved
+    # the device) within 10% of the tbf limit. The downlink before the change (the rounds' verdicts at
+    # 40 Mbit/s: 61 ms each) within 20%: on 2 loaded cores 2 of 10 runs read +17% and +19% (otherwise
+    # +1..+5%), the fit's bias under load, not traced yet (see docs/real-links.md). The last estimates are
+    # looser: in UL mode the uplink is the rounds' fit through a few draft lengths, whose group minima a loaded
+    # host inflates one size at a time (CI read +24%); no large verdict refreshes the downlink, and the few
+    # slow ones before the move may include the one in flight at the change, partly sent at the fast rate
+    # (seen: 4.71 Mbit/s for 4).
+    sweeps = [s for r in records[switched:] for s in r.get("link_probes", [])
+              if s["direction"] == "ul" and s["fit"] is not None]
+    sources = [r["devices"]["d0"].get("link_rate_source") for r in records]
+    print("UL sweeps after the switch (Mbit/s):", [round(s["fit"]["rate_bps"] / 1e6, 2) for s in sweeps],
+          "; sources at the end:", sources[-1])
+    assert sweeps, "no UL probe sweep after the change"
+    assert sweeps[0]["fit"]["rate_bps"] == pytest.approx(fast, rel=0.10)
     assert rates[switched - 1]["dl"] == pytest.approx(fast, rel=0.20)
-    assert rates[-1]["ul"] == pytest.approx(fast, rel=0.10) and rates[-1]["dl"] == pytest.approx(slow, rel=0.25)
+    assert rates[-1]["ul"] == pytest.approx(fast, rel=0.30) and rates[-1]["dl"] == pytest.approx(slow, rel=0.25)
 
 
 @pytest.mark.parametrize("ul_bps, dl_bps", [(4e6, 20e6), (8e6, 4e6), (20e6, 8e6)])

@@ -12,6 +12,11 @@ to be sent SIGTERM when the thread that started it exits, so even ``kill -9`` of
 no emulator or device behind. Fallback where prctl is missing (not Linux): a device still leaves on its
 own once the edge is silent for its liveness window (exit status 7), while an emulator started by a run
 that was killed with SIGKILL must be stopped by hand (its pid is in the run's meta.json).
+
+Ctrl-C is the parent's: a terminal sends SIGINT to the whole foreground process group, and an emulator that
+died of it left the stopping run waiting out its control timeout (10 s) for the stats, with a traceback in
+its log. Children start with SIGINT ignored (Python keeps an inherited SIG_IGN), so the run stops them in
+order: the emulator's stats, `done` to the devices, then SIGTERM by pid.
 """
 
 from __future__ import annotations
@@ -56,17 +61,22 @@ def child_env() -> dict[str, str]:
 
 
 def die_with_parent():
-    """A `preexec_fn` that makes the child receive SIGTERM when its parent dies (Linux), or None where the
-    kernel offers no such thing (see the module docstring for the fallback)."""
-    if not sys.platform.startswith("linux"):
+    """A `preexec_fn` (POSIX) that leaves SIGINT to the parent and, on Linux, makes the child receive SIGTERM
+    when its parent dies (see the module docstring, also for the fallback elsewhere); None on Windows."""
+    if os.name != "posix":
         return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    except (OSError, AttributeError):
-        return None
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+        except (OSError, AttributeError):
+            prctl = None
     parent = os.getpid()
 
     def preexec() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run stops its children itself (module docstring)
+        if prctl is None:
+            return
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the parent died between fork and prctl: nobody would signal us
             os.kill(os.getpid(), signal.SIGTERM)

@@ -110,6 +110,35 @@ def _kill_all(procs) -> None:
             p.wait(5)
 
 
+def test_ctrl_c_at_a_terminal_stops_the_children_in_order(micro_pair, tmp_path):
+    """A terminal's Ctrl-C reaches the whole foreground process group, not only `multispin run`. The children
+    leave it to the run: the emulator is alive to give its stats (before: it died of the SIGINT, the run waited
+    out the control timeout and lost them) and no child log holds a KeyboardInterrupt."""
+    prof = _write_profile(tmp_path / "p.yaml", micro_pair, rounds=400)
+    proc = subprocess.Popen([*CLI, "run", str(prof), "--runs-dir", str(tmp_path / "runs"), "--quiet", "--no-plots"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own group, as a shell's job is
+    children: list[int] = []
+    try:
+        run_dir = _wait_rounds(tmp_path / "runs", 3, proc)
+        children = _children(proc.pid)
+        assert len(children) == 3
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        _kill_all([proc, *children])
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    time.sleep(0.5)
+    assert [p for p in children if _alive(p)] == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and "channel_stats" in summary, out[-3000:]
+    assert summary["channel_stats"]["counters"]["charged"] > 0, summary["channel_stats"]
+    for log_file in (run_dir / "logs").glob("*.log"):
+        assert "KeyboardInterrupt" not in log_file.read_text(), log_file.name
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert sorted(meta["processes"]) == ["channel", "device-d0", "device-d1"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_ends_the_run_cleanly_and_resume_goes_on(micro_pair, tmp_path, sig):
     prof = _write_profile(tmp_path / "p.yaml", micro_pair, rounds=400)

@@ -635,8 +635,10 @@ class EdgeServer:
         try:
             rep = self._check_report(s, header)
         except Exception:
-            if awaited:
-                cur.reports_given_up.add(name)  # this report will not come right: stop waiting for it
+            if awaited and header.get("round") == cur.index:
+                # The awaited report came wrong: it will not come right, stop waiting for it. A refused report
+                # naming another round (stale, or junk) leaves the wait on: the right one may still come.
+                cur.reports_given_up.add(name)
             raise
         if not via_channel:
             rep.dl_channel = None

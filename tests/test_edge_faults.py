@@ -75,7 +75,8 @@ class ScriptedDevice(threading.Thread):
 
     behaviour: "honest"; "bad_draft" (every draft has the wrong mode: refused); "no_report" (never reports);
     "forge" (claims a channel annotation and odd timings in its drafts); "refuse_schedule" (answers every
-    schedule with a non-fatal error naming its round).
+    schedule with a non-fatal error naming its round); "stale_report_first" (before each report, one naming
+    a round long past: refused).
     """
 
     def __init__(self, endpoint: str, name: str, behaviour: str = "honest", keys: ClientKeys | None = None,
@@ -129,6 +130,8 @@ class ScriptedDevice(threading.Thread):
                                     on_air_vocab=None)
                 committed += [1] * v.n_accepted + [v.token]
                 self.verdicts += 1
+                if self.behaviour == "stale_report_first":
+                    sock.send_multipart(M.report(v.round + 7, v.token, v.n_accepted, {"correction_s": 0.0}, None))
                 if self.behaviour != "no_report":
                     sock.send_multipart(M.report(v.round, v.token, v.n_accepted, {"correction_s": 0.0}, v.channel))
             elif kind == P.ERROR:
@@ -291,6 +294,21 @@ def test_an_unconfirmed_verdict_is_not_credited(ipc, tmp_path, started):
         assert d1["report_late"] and d1["verdict_unconfirmed"]
         assert d1["measured"]["tokens"] == 0 and d1["measured"]["tokens_sent"] == d1["n_accepted"] + 1
         assert not d0["report_late"] and rec["measured"]["tokens"] == d0["measured"]["tokens"] > 0
+
+
+def test_a_refused_report_of_another_round_does_not_end_the_wait_for_the_right_one(ipc, started):
+    server = make_server(ipc, deadline_s=2.0)
+    try:
+        liar = started(ipc, "dev0", behaviour="stale_report_first")
+        started(ipc, "dev1")
+        _wait_registered(server, ["dev0", "dev1"])
+        records = server.run(5)
+    finally:
+        server.close()
+    assert liar.verdicts == 5 and server.refusals["invalid"] == 5  # each stale report refused
+    for rec in records:
+        d0 = rec["devices"]["dev0"]
+        assert not d0["report_late"] and d0["measured"]["tokens"] == d0["n_accepted"] + 1, d0
 
 
 def test_a_second_connection_under_a_live_name_gets_nothing(ipc, started):

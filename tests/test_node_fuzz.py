@@ -357,6 +357,14 @@ class EdgeFuzz:
         v = self.verdict
         return rep.round == v.round and rep.n_accepted == v.n_accepted and v.token in (None, rep.token)
 
+    def report_late(self) -> bool | None:
+        """Whether the round's report is late (None: the fuzzed message is no report). A refused report of the
+        awaited round ends the edge's wait for it; one naming another round leaves the honest one to decide."""
+        taken = self.report_taken()
+        if taken is None:
+            return None
+        return not taken and _decoded(self.report)[0].get("round") == self.verdict.round
+
     def step(self, data) -> None:
         server = self.server
         self.data, self.inbox, self.sent, self.verdict, self.sched, self.stopped = data, [], [], None, None, None
@@ -380,12 +388,12 @@ class EdgeFuzz:
         dev = rec["devices"][FUZZER]
         if taken:
             assert self.verdict is not None
-            # A refused report of any round ends the edge's wait for the awaited one: then only the fuzzed report
-            # decides when no other report came before it.
+            # A refused report of the awaited round ends the edge's wait for it (`report_late`): checked when no
+            # other report came before the fuzzed one.
             others = [f for f in self.extras if (got := _decoded(f)) is not None and got[0]["type"] == P.REPORT]
-            if same and not others and (ok := self.report_taken()) is not None:
-                assert dev["report_late"] == (not ok), (ok, self.report)
-                self.tally["report taken" if ok else "report refused"] += 1
+            if same and not others and (late := self.report_late()) is not None:
+                assert dev["report_late"] == late, (late, self.report)
+                self.tally["report taken" if self.report_taken() else "report refused"] += 1
             if not self.trusted:
                 assert dev["ul_channel"] is None and dev["dl_channel"] is None  # a device's claim is ignored
         # Every refusal answered once (no rate limit here), every malformed message counted as one.

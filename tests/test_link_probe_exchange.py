@@ -478,20 +478,34 @@ def test_a_live_run_plans_with_probe_estimates_of_both_directions_from_registrat
         ("d1", "ul", "registration")]
     print("\nregistration sweeps:", [(x["device"], x["direction"], x["fit"] and round(x["fit"]["rate_bps"] / 1e9, 2),
                                       x["pings"], round(x["s"], 3)) for x in sweeps])
+    # A sweep that cannot tell says why and claims nothing: its direction is planned with the model's rate.
+    # ipc moves 16 MiB in a few ms, as short as a loaded host's jitter: 1 sweep of 4 in one CI run of about
+    # 15 could not tell (after MAX_REPEATS passes), so at least 3 of 4 must fit.
+    fitted = {(x["device"], x["direction"]): x["fit"]["rate_bps"] for x in sweeps if x["fit"] is not None}
     for x in sweeps:
-        assert x["error"] is None and x["fit"]["rate_bps"] > 1e8, x  # a loopback: far beyond 100 Mbit/s
+        if x["fit"] is None:
+            assert x["error"].startswith("no rate"), x
+        else:
+            assert x["error"] is None and x["fit"]["rate_bps"] > 1e8, x  # a loopback: far beyond 100 Mbit/s
+    assert len(fitted) >= 3, sweeps
     for r in records:
         for name, d in r["devices"].items():
             src = d["link_rate_source"]
-            assert set(src.values()) <= {"probe", "rounds"}, (r["round"], name, src)
-            assert d["link_rate_bps"]["ul"] and d["link_rate_bps"]["dl"]
-            assert d["predicted"]["ul_rate_bps"] == pytest.approx(d["link_rate_bps"]["ul"], rel=0.01)
-    first = records[0]["devices"]
-    assert all(d["link_rate_source"] == {"ul": "probe", "dl": "probe"} for d in first.values())
-    # the probe fits the plan used are the sweeps'
-    by = {(x["device"], x["direction"]): x["fit"]["rate_bps"] for x in sweeps}
-    for name, d in first.items():
-        assert d["link_rate_bps"] == {"ul": pytest.approx(by[(name, "ul")]), "dl": pytest.approx(by[(name, "dl")])}
+            for direction, used in src.items():
+                allowed = {"probe", "rounds"} if (name, direction) in fitted else {"probe", "rounds", "model"}
+                assert used in allowed, (r["round"], name, src)
+                if used != "model":
+                    assert d["link_rate_bps"][direction], (r["round"], name, d["link_rate_bps"])
+            if src["ul"] != "model":
+                assert d["predicted"]["ul_rate_bps"] == pytest.approx(d["link_rate_bps"]["ul"], rel=0.01)
+    # Round 0 plans each direction with its registration sweep's fit, the model's rate where it had none.
+    for name, d in records[0]["devices"].items():
+        for direction in ("ul", "dl"):
+            if (name, direction) in fitted:
+                assert d["link_rate_source"][direction] == "probe"
+                assert d["link_rate_bps"][direction] == pytest.approx(fitted[(name, direction)])
+            else:
+                assert d["link_rate_source"][direction] == "model"
     # The probe echoes (one per probe, GAP_S apart) stay far below the edge's per-identity message limit.
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "rate_limited" not in summary["refusals"], summary["refusals"]

@@ -60,7 +60,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def die_with_parent():
+def child_preexec():
     """A `preexec_fn` (POSIX) that leaves SIGINT to the parent and, on Linux, makes the child receive SIGTERM
     when its parent dies (see the module docstring, also for the fallback elsewhere); None on Windows."""
     if os.name != "posix":
@@ -70,7 +70,7 @@ def die_with_parent():
         try:
             prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
         except (OSError, AttributeError):
-            prctl = None
+            pass
     parent = os.getpid()
 
     def preexec() -> None:
@@ -101,7 +101,7 @@ class Launcher:
         self._logs.append(fh)
         # The caller's working directory: relative paths in the profile mean what they meant there.
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})},
-                                preexec_fn=die_with_parent())
+                                preexec_fn=child_preexec())
         self.procs[label] = proc
         log.debug("started %s (pid %d): %s", label, proc.pid, " ".join(argv))
         return proc

@@ -579,13 +579,19 @@ def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: st
 
 class ChannelControl:
     """Client of the emulator's control socket (REQ with a timeout; the socket is rebuilt after one, and
-    after a request cut short by anything else, e.g. a signal while waiting for the reply)."""
+    after a request cut short by anything else, e.g. a signal while waiting for the reply).
+
+    `gone`: optional callable saying why the emulator's process is gone (None while it runs); a request
+    waiting for its reply asks it every `GONE_CHECK_MS`, so an emulator killed mid-request ends the wait
+    at once rather than after the whole timeout."""
+
+    GONE_CHECK_MS = 50
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None,
-                 keys: ClientKeys | None = None, token: str | None = None):
+                 keys: ClientKeys | None = None, token: str | None = None, gone=None):
         self.endpoint, self.timeout_ms = endpoint, int(timeout_s * 1000)
         self.ctx = context or zmq.Context.instance()
-        self.keys, self.token = keys, token
+        self.keys, self.token, self.gone = keys, token, gone
         self.sock = None
         self._connect()
 
@@ -604,7 +610,7 @@ class ChannelControl:
             msg = {**msg, "token": self.token}
         try:
             self.sock.send(encode_header(msg))  # versioned, strict JSON (a NaN is refused here, not there)
-            raw = self.sock.recv()
+            raw = self._reply(msg)
         except zmq.Again:
             self._connect()  # a REQ socket is stuck after a lost reply ("lazy pirate")
             raise TimeoutError(f"channel emulator at {self.endpoint} did not answer "
@@ -624,6 +630,18 @@ class ChannelControl:
         if not reply.get("ok"):
             raise RuntimeError(f"channel emulator refused {msg.get('type')!r}: {reply.get('error')}")
         return reply
+
+    def _reply(self, msg: dict) -> bytes:
+        if self.gone is None:
+            return self.sock.recv()  # RCVTIMEO bounds it
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while not self.sock.poll(max(1, min(self.GONE_CHECK_MS, int((deadline - time.monotonic()) * 1000)))):
+            why = self.gone()
+            if why is not None:
+                raise TimeoutError(f"channel emulator at {self.endpoint} {why} while asked {msg.get('type')!r}")
+            if time.monotonic() >= deadline:
+                raise zmq.Again()
+        return self.sock.recv()
 
     def configure(self, round: int | None = None, links: dict | None = None, dl_access: str = "fdma_equal_split",
                   base_latency_s: float = 0.0, mode: str | None = None, lead_s: float = 0.0,

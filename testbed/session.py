@@ -350,7 +350,8 @@ def start_channel(s: LiveSession) -> str:
     proc = s.launcher.start_channel(front, edge, control, p.channel.mode, p.channel.spin_s, token=token,
                                     keys_dir=p.keys_dir)
     keys = ClientKeys.for_name(p.keys_dir, EDGE_CLIENT) if p.keys_dir else None
-    s.channel = ChannelControl(control, timeout_s=10.0, keys=keys, token=token)
+    # `gone`: an emulator killed while a request waits ends the wait at once, not after 10 s.
+    s.channel = ChannelControl(control, timeout_s=10.0, keys=keys, token=token, gone=lambda: channel_exited(s))
     try:
         s.channel.stats()  # waits until the emulator answers
     except (TimeoutError, RuntimeError) as exc:

@@ -323,3 +323,40 @@ def test_a_control_request_cut_short_by_a_signal_leaves_the_client_usable():
         signal.signal(signal.SIGALRM, old)
         control.sock.close(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_a_control_request_ends_as_soon_as_the_emulator_is_gone_and_still_times_out_without_it():
+    # kill -9 of the emulator while the edge waits for a configure reply: the wait used to last the whole
+    # control timeout (10 s in a run; CI saw a run end 11.2 s after the kill, bound 8 s).
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)  # takes requests, never answers: a stopped or killed emulator
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    killed_at: list[float] = []
+    control = ChannelControl(f"tcp://127.0.0.1:{port}", timeout_s=10, context=ctx,
+                             gone=lambda: "exited (killed by SIGKILL, pid 1)" if killed_at else None)
+    try:
+        threading.Timer(0.3, lambda: killed_at.append(time.monotonic())).start()
+        with pytest.raises(TimeoutError, match=r"exited \(killed by SIGKILL, pid 1\) while asked 'configure'"):
+            control.configure(round=0)
+        assert time.monotonic() - killed_at[0] < 0.5  # a few 50 ms checks, not the 10 s timeout
+        server.recv_multipart()  # the request did arrive
+
+        patient = ChannelControl(f"tcp://127.0.0.1:{port}", timeout_s=0.3, context=ctx, gone=lambda: None)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not answer 'stats' within 300 ms"):
+            patient.stats()
+        assert time.monotonic() - t0 >= 0.3  # a running emulator keeps its whole timeout
+        patient.close()
+        server.recv_multipart()  # that one too, left unanswered
+
+        answered = threading.Thread(target=lambda: server.send_multipart(
+            [*server.recv_multipart()[:2], b'{"ok": true, "counters": {}}']))
+        answered.start()
+        killed_at.clear()  # the client is usable again after a gone emulator (e.g. a restarted one)
+        assert control.stats() == {"ok": True, "counters": {}}
+        answered.join(5)
+    finally:
+        control.close()
+        server.close(linger=0)
+        ctx.destroy(linger=0)

@@ -93,6 +93,8 @@ class DeviceNode:
         self.last_sent = self.last_heard = time.monotonic()
         self.dropped_messages = 0  # received messages refused (malformed, out of place)
         self._probe_pad = None     # a rate probe's echo padding (uint8 zeros), grown to the largest asked for
+        # A shared host's wait for the message in hand: received -> its handling began (`_serve`).
+        self._gate_wait_s = 0.0
 
     # -- transport ------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -233,7 +235,9 @@ class DeviceNode:
             # waiting, and they prove the edge alive.
             if self.sock.poll(max(0, int(wait * 1000))):
                 frames = self.sock.recv_multipart(copy=False)
+                t_recv = time.perf_counter()
                 with self.gate:
+                    self._gate_wait_s = time.perf_counter() - t_recv  # the other devices' work, not ours
                     code = self._handle(frames)
                 if code is not None:
                     return code
@@ -348,6 +352,8 @@ class DeviceNode:
         self.pending = (sched, draft)  # q float64: never rounded again
         timings = {"draft_s": draft_s, "compute_s": compute_s, "emulated_extra_s": extra_s,
                    "compute_scale": self.hardware.compute_scale}
+        if self.gate is not OPEN:  # a shared host: its waits are no device's time (the virtual clock drops them)
+            timings["host_wait_s"] = self._gate_wait_s + regate_s
         frames = M.draft(sched.round, sched.mode, draft.tokens, draft.q, q_wire=draft.wire,
                          last_token=self.committed[-1], bits_per_prob=self.bits, on_air_vocab=self.on_air,
                          timings=timings, topk=sched.topk)
@@ -383,9 +389,11 @@ class DeviceNode:
             rr = RoundRandomness(self.seed, self.name, sched.round)
             token = sample_correction(v.p_row, draft.q[v.n_accepted], rr.final_uniform())
         correction_s = time.perf_counter() - t0
+        timings = {"correction_s": correction_s}
+        if self.gate is not OPEN:
+            timings["host_wait_s"] = self._gate_wait_s
         # The report first: the edge's round ends with it. (The token is a valid id: the commit cannot fail.)
-        self._send(M.report(sched.round, token, v.n_accepted, {"correction_s": correction_s}, v.channel,
-                            link=self._link()))
+        self._send(M.report(sched.round, token, v.n_accepted, timings, v.channel, link=self._link()))
         self.drafter.commit(v.n_accepted, token)
         self.committed.extend(draft.tokens[: v.n_accepted] + [token])
         self.rounds_done += 1

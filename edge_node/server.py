@@ -157,6 +157,7 @@ class ArrivedDraft:
     draft: M.Draft
     nbytes: int           # bytes of the message's frames: the record's ul_bytes when no emulator annotates it
     waited: bool = False  # it was queued while the edge was busy: t_arrival is late
+    handled_s: float = 0.0  # the edge's handling of it (decode, checks), for the virtual clock's queue
 
 
 @dataclass
@@ -177,6 +178,9 @@ class RoundInFlight:
     # Edge clock instants for the virtual time base: waiting for drafts from / until, for reports from.
     t_drafts_from: float = 0.0
     t_drafts_closed: float = 0.0
+    # Of the next round's planning during the drafting, the time this thread did not run (a shared host's
+    # other processes did): no work of the edge's, so the virtual clock takes it out.
+    plan_descheduled_s: float = 0.0
     t_reports_from: float | None = None
     reports_waited: set[str] = field(default_factory=set)   # reports queued while the edge was busy
     draws: dict[str, RoundRandomness] = field(default_factory=dict)  # name -> its draws, made while it drafts
@@ -608,7 +612,7 @@ class EdgeServer:
             cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
             raise
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
-        cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited)
+        cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=time.monotonic() - t_arr)
 
     def _parse_draft(self, s: Session, slot: DevicePlan, header: dict, arrays: dict, via_channel: bool) -> M.Draft:
         d = M.parse_draft(header, arrays, mode=slot.mode, draft_len=slot.draft_len, vocab_size=self.vocab,
@@ -730,7 +734,9 @@ class EdgeServer:
             cur = self._schedule(r, rp, plan_s)
             # While the devices draft: plan the next round (its estimates then lag one round, which costs
             # nothing measurable and keeps the optimizer off the critical path).
+            wall, cpu = time.monotonic(), time.thread_time()
             self._next_plan = self._fresh_plan(r + 1, names)
+            cur.plan_descheduled_s = max(0.0, (time.monotonic() - wall) - (time.thread_time() - cpu))
             present = self._collect_drafts(cur)
             outcomes, verify_s = self._verify_and_reply(cur, present)
             t_end = self._collect_reports(cur, outcomes)
@@ -993,23 +999,29 @@ class EdgeServer:
                 continue
             low = o.timings.get("draft_s") or 0.0
             drafts[name] = self._arrival(("draft", mode), arrived.t_arrival - t0, arrived.waited, low,
-                                         air_time(o.ul_channel) or 0.0)
+                                         air_time(o.ul_channel) or 0.0, o.timings.get("host_wait_s") or 0.0,
+                                         arrived.handled_s)
             if name in cur.reports:
+                t_report, rep = cur.reports[name]
                 low = o.t_verdict - t0 + (o.correction_s or 0.0)
-                reports[name] = self._arrival(("report", mode), cur.reports[name][0] - t0,
-                                              name in cur.reports_waited, low, air_time(o.dl_channel) or 0.0)
-        return virtual_round(drafts, reports, drafts_from_s=cur.t_drafts_from - t0,
+                reports[name] = self._arrival(("report", mode), t_report - t0, name in cur.reports_waited, low,
+                                              air_time(o.dl_channel) or 0.0, rep.timings.get("host_wait_s") or 0.0)
+        return virtual_round(drafts, reports, drafts_from_s=cur.t_drafts_from - t0 - cur.plan_descheduled_s,
                              drafts_closed_s=cur.t_drafts_closed - t0,
                              reports_from_s=None if cur.t_reports_from is None else cur.t_reports_from - t0,
                              end_s=t_end - t0, all_drafts=len(drafts) == len(cur.schedule),
                              all_reports=bool(outcomes) and len(reports) == len(outcomes))
 
-    def _arrival(self, kind: tuple[str, str], at_s: float, waited: bool, low_s: float, air_s: float) -> Arrival:
+    def _arrival(self, kind: tuple[str, str], at_s: float, waited: bool, low_s: float, air_s: float,
+                 host_wait_s: float = 0.0, handled_s: float = 0.0) -> Arrival:
+        # A device's claim of its host's wait never puts its message before its own lower bound.
+        host_wait_s = min(host_wait_s, max(0.0, at_s - low_s))
         obs = self._transport.setdefault(kind, deque(maxlen=20))
-        if not waited and at_s >= low_s:
-            obs.append(at_s - low_s)
+        if not waited and at_s - host_wait_s >= low_s:
+            obs.append(at_s - host_wait_s - low_s)
         transport = float(np.median(obs)) if obs else 0.0
-        return Arrival(at_s=at_s, waited=waited, earliest_s=low_s + transport, air_s=air_s)
+        return Arrival(at_s=at_s, waited=waited, earliest_s=low_s + transport, air_s=air_s,
+                       host_wait_s=host_wait_s, handled_s=handled_s)
 
     # -- the whole run ---------------------------------------------------------------------------
     def run(self, rounds: int, on_round=None, join_wait_s: float = 0.0, keep_records: bool = True,

@@ -414,6 +414,17 @@ class Arrival:
     waited: bool         # it was already queued when the edge became free, so at_s is only an upper bound
     earliest_s: float    # the estimate to use then (the device's drafting time + the measured transport)
     air_s: float         # the air time (queueing and base latency included) the emulator annotated
+    # What a device sharing its process with others (`devices_per_process`) measured of its wait for them,
+    # between reading the message and sending its reply: a device of its own would have sent that much earlier.
+    host_wait_s: float = 0.0
+    handled_s: float = 0.0  # how long the edge took to handle it (decode, checks): the edge's own work
+
+    def sent_at_s(self) -> float:
+        """When it would have reached the edge with no air time and a host of its own: its handling instant
+        less the shared host's wait, or the estimate when the edge was busy (then its stamp is only an upper
+        bound)."""
+        at = self.at_s - self.host_wait_s
+        return min(at, self.earliest_s) if self.waited else at
 
 
 def virtual_round(drafts: dict[str, Arrival], reports: dict[str, Arrival], *, drafts_from_s: float,
@@ -423,24 +434,26 @@ def virtual_round(drafts: dict[str, Arrival], reports: dict[str, Arrival], *, dr
     for its annotated air time (virtual channel mode, where the emulator forwards at once).
 
     Compute stays measured (drafting, verification, the edge's own work); each air time is inserted where the
-    message was: a draft is handled at max(edge free, arrival + UL air); the rest of the round shifts by the
-    change in the drafting phase's end; a report comes DL air later than it did. Returns the per-device
-    uplink phases, the round's uplink phase and the round time (s since the schedules went out)."""
-    def arrived(a: Arrival) -> float:
-        return min(a.at_s, a.earliest_s) if a.waited else a.at_s
-
-    up = {n: max(drafts_from_s, arrived(a) + a.air_s) for n, a in drafts.items()}
+    message was, and a shared host's waits are taken out (`Arrival.sent_at_s`). The edge handles the drafts
+    one at a time in the order they arrive on this clock, each for as long as it took on the edge clock
+    (`handled_s`): drafts that come closer together than on the edge clock queue for it. The rest of the round
+    shifts by the change in the drafting phase's end; a report comes DL air later than it did. Returns the
+    per-device uplink phases, the round's uplink phase and the round time (s since the schedules went out)."""
+    up = {n: max(drafts_from_s, a.sent_at_s() + a.air_s) for n, a in drafts.items()}
     if not up:
         closed = drafts_closed_s
-    elif all_drafts:  # closed when the last draft was handled: keep the handling time after its arrival
-        closed = max(up.values()) + max(0.0, drafts_closed_s - max(a.at_s for a in drafts.values()))
+    elif all_drafts:  # closed when the last draft was handled, plus what the edge did after that
+        free = drafts_from_s
+        for n in sorted(up, key=up.get):
+            free = max(free, up[n]) + drafts[n].handled_s
+        closed = free + max(0.0, drafts_closed_s - max(a.at_s + a.handled_s for a in drafts.values()))
     else:  # the round waited for a missing draft until the (wall-clock) deadline
         closed = max(drafts_closed_s, max(up.values()))
     shift = closed - drafts_closed_s
     if not reports or reports_from_s is None:
         end = end_s + shift
     else:
-        last = max(arrived(a) + a.air_s for a in reports.values())
+        last = max(a.sent_at_s() + a.air_s for a in reports.values())
         tail = max(0.0, end_s - max(a.at_s for a in reports.values()))
         end = shift + max(reports_from_s, last) + tail
         if not all_reports:  # a late report: the round waited until the deadline
@@ -572,6 +585,7 @@ def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: fl
     measured = {
         "draft_s": tm.get("draft_s"), "compute_s": tm.get("compute_s"),
         "emulated_extra_s": tm.get("emulated_extra_s"), "compute_scale": tm.get("compute_scale"),
+        "host_wait_s": tm.get("host_wait_s"),  # a shared host process's wait before drafting (null: none)
         "ul_air_s": air_time(o.ul_channel),
         "uplink_phase_s": o.up_phase_s if virtual_up_phase_s is None else virtual_up_phase_s,
         "dl_air_s": air_time(o.dl_channel),

@@ -62,6 +62,19 @@ def test_hosted_devices_draft_the_same_tokens_in_fewer_processes(micro_pair, tmp
         m = r["devices"]["d1"]["measured"]
         assert m["compute_scale"] == 1.5 and m["emulated_extra_s"] == pytest.approx(0.5 * m["compute_s"])
         assert m["draft_s"] >= m["compute_s"] + m["emulated_extra_s"]
+    # A hosted device says how long it waited for the others of its process (the virtual clock takes it
+    # out); a device with a process of its own says nothing. The three schedules of a host come together and
+    # its devices draft one at a time, so in a typical round one of them waits about another's drafting.
+    _, alone = load_run(tmp_path / "k1")
+    assert all(x["measured"]["host_wait_s"] is None for r in alone for x in r["devices"].values())
+    longest_wait, drafting = [], []
+    for r in records[1:]:
+        for host in (names[:3], names[3:]):
+            waits = [r["devices"][n]["measured"]["host_wait_s"] for n in host]
+            assert all(w is not None and w >= 0 for w in waits)
+            longest_wait.append(max(waits))
+            drafting.append(min(r["devices"][n]["measured"]["compute_s"] for n in host))
+    assert np.median(longest_wait) >= 0.5 * np.median(drafting), (longest_wait, drafting)
 
 
 def test_a_dead_host_is_reported_for_each_of_its_devices(micro_pair, tmp_path):

@@ -119,6 +119,29 @@ def test_virtual_round_inserts_air_time_where_the_messages_were():
     assert v["round_s"] == pytest.approx(5.01)
 
 
+def test_virtual_round_takes_out_a_shared_hosts_wait_and_queues_the_edges_handling():
+    # Three devices of one host process drafted one after the other: on the edge clock their drafts came at
+    # 10, 20 and 30 ms, of which 0, 10 and 20 ms were each one's wait for the others (host_wait_s). With hosts
+    # of their own all three arrive at 10 ms (+ 1 ms of air); the edge handles them one at a time, 2 ms
+    # each: done at 11 + 3 x 2 = 17 ms instead of the edge clock's 32 ms.
+    drafts = {n: Arrival(at_s=at, waited=False, earliest_s=0.0, air_s=0.001, host_wait_s=hw, handled_s=0.002)
+              for n, at, hw in (("a", 0.010, 0.0), ("b", 0.020, 0.010), ("c", 0.030, 0.020))}
+    v = virtual_round(drafts, {}, drafts_from_s=0.001, drafts_closed_s=0.032, reports_from_s=None,
+                      end_s=0.050, all_drafts=True, all_reports=False)
+    assert v["up_phase_s"] == pytest.approx({"a": 0.011, "b": 0.011, "c": 0.011})
+    assert v["round_s"] == pytest.approx(0.050 + (0.017 - 0.032))
+    # No host waits: the edge clock's own spacing, so handling never queues and nothing moves but the air.
+    plain = {n: Arrival(a.at_s, False, 0.0, 0.001, handled_s=0.002) for n, a in drafts.items()}
+    v = virtual_round(plain, {}, drafts_from_s=0.001, drafts_closed_s=0.032, reports_from_s=None, end_s=0.050,
+                      all_drafts=True, all_reports=False)
+    assert v["uplink_phase_s"] == pytest.approx(0.031) and v["round_s"] == pytest.approx(0.051)
+    # A report's host wait comes off its arrival too (0.045 - 0.015 + 0.002 of air, after the 1 ms shift).
+    reports = {"a": Arrival(at_s=0.045, waited=False, earliest_s=0.0, air_s=0.002, host_wait_s=0.015)}
+    v = virtual_round(plain, reports, drafts_from_s=0.001, drafts_closed_s=0.032, reports_from_s=0.030,
+                      end_s=0.046, all_drafts=True, all_reports=True)
+    assert v["round_s"] == pytest.approx(0.001 + (0.045 - 0.015 + 0.002) + 0.001)
+
+
 def test_virtual_queues_restart_at_every_configure(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_channel_proxy import Bench

@@ -374,12 +374,16 @@ def canonical_headers(draw) -> bytes:
     elif kind == "verdict":
         frames = M.verdict(draw(ints), draw(ints), draw(st.one_of(st.none(), ints)))
     elif kind == "report":
-        frames = M.report(draw(ints), draw(ints), draw(ints), {"correction_s": draw(nums)}, None)
+        timings = {"correction_s": draw(nums)}
+        if draw(st.booleans()):  # a device of a shared host process
+            timings["host_wait_s"] = draw(nums)
+        frames = M.report(draw(ints), draw(ints), draw(ints), timings, None)
     else:
         wire = to_wire_precision(_q(L), 16)
         frames = M.draft(draw(ints), kind[-2:], [1, 7, 49], exact_from_wire(wire), q_wire=wire, last_token=draw(ints),
                          bits_per_prob=16, on_air_vocab=ON_AIR,
-                         timings={k: draw(nums) for k in ("draft_s", "compute_s", "emulated_extra_s", "compute_scale")})
+                         timings={k: draw(nums) for k in ("draft_s", "compute_s", "emulated_extra_s", "compute_scale",
+                                                          "host_wait_s")[:draw(st.sampled_from([4, 5]))]})
     text = bytes(frames[0])
     action = draw(st.sampled_from(["none", "replace", "insert", "delete"]))
     if action != "none":
@@ -486,8 +490,11 @@ def test_a_rounds_own_headers_take_the_shortcut_to_the_strict_result():
     timings = {"draft_s": 0.0030253099994297372, "compute_s": 0.003, "emulated_extra_s": 0.0, "compute_scale": 1.0}
     for frames in (M.schedule(2, "DL", L, 0.2, 0.0, 3.0), M.schedule(2, "UL", L, 0.2, 0.1, 3.0, topk=5),
                    M.verdict(4, 2, 17), M.verdict(4, 3, None), M.report(4, 17, 2, {"correction_s": 1e-05}, None),
+                   M.report(4, 17, 2, {"correction_s": 1e-05, "host_wait_s": 0.0125}, None),
                    M.draft(4, "UL", [1, 7, 49], exact_from_wire(wire), q_wire=wire, last_token=9, bits_per_prob=16,
                            on_air_vocab=ON_AIR, timings=timings),
+                   M.draft(4, "UL", [1, 7, 49], exact_from_wire(wire), q_wire=wire, last_token=9, bits_per_prob=16,
+                           on_air_vocab=ON_AIR, timings={**timings, "host_wait_s": 0.25}, topk=None),
                    M.draft(4, "DL", [1, 7, 49], exact_from_wire(wire), last_token=9, bits_per_prob=16,
                            on_air_vocab=None, timings=timings)):
         text = bytes(frames[0])

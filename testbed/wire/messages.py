@@ -64,9 +64,11 @@ MAX_PROBE_BYTES = P.MAX_PROBE_BYTES  # a probe's or echo's padding, and the repl
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
 # Known timing keys (seconds; compute_scale is a factor >= 0 under the same bounds). Unknown keys are
-# dropped: a newer peer may time more, and nothing downstream reads what is not listed here.
-DRAFT_TIMINGS = ("draft_s", "compute_s", "emulated_extra_s", "compute_scale")
-REPORT_TIMINGS = ("correction_s",)
+# dropped: a newer peer may time more, and nothing downstream reads what is not listed here. host_wait_s:
+# a device sharing its process with others (`devices_per_process`) waited that long for the shared host
+# between the message's receipt and its reply, beyond its own work (the virtual clock takes it out).
+DRAFT_TIMINGS = ("draft_s", "compute_s", "emulated_extra_s", "compute_scale", "host_wait_s")
+REPORT_TIMINGS = ("correction_s", "host_wait_s")
 # The channel emulator's accounting ("channel" on a draft or verdict, echoed as a report's dl_channel):
 # numbers as (kind, low, high), text as (str, allowed values or None, max length). null is allowed for every
 # field (rate_bps is null on an unconfigured link); unknown fields are dropped. Without an emulator in

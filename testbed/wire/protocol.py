@@ -282,10 +282,12 @@ _CANONICAL = {
     b"verdict": re.compile(rb'\{"v":1,"type":"verdict","air":"dl","round":' + _INT + rb',"n_accepted":' + _INT
                            + rb',"token":(?:null|' + _INT + rb')\}'),
     b"report": re.compile(rb'\{"v":1,"type":"report","round":' + _INT + rb',"token":' + _INT + rb',"n_accepted":'
-                          + _INT + rb',"timings":\{"correction_s":' + _NUM + rb'\},"dl_channel":null\}'),
+                          + _INT + rb',"timings":\{"correction_s":' + _NUM + rb'(?:,"host_wait_s":' + _NUM
+                          + rb')?\},"dl_channel":null\}'),
     b"draft": re.compile(rb'\{"v":1,"type":"draft","air":"ul","round":' + _INT + rb',"mode":"(UL|DL)","last_token":'
                          + _INT + rb',"timings":\{"draft_s":' + _NUM + rb',"compute_s":' + _NUM
-                         + rb',"emulated_extra_s":' + _NUM + rb',"compute_scale":' + _NUM + rb'\}(?:,"topk":' + _INT
+                         + rb',"emulated_extra_s":' + _NUM + rb',"compute_scale":' + _NUM
+                         + rb'(?:,"host_wait_s":' + _NUM + rb')?\}(?:,"topk":' + _INT
                          + rb')?,"arrays":\[\{"name":"tokens","dtype":"int32","shape":\[' + _INT
                          + rb'\]\},\{"name":"(q|q_at)","dtype":"(float16|float32|float64)","shape":\[' + _INT
                          + rb'(?:,' + _INT + rb')?\]\}\]\}'),
@@ -324,16 +326,22 @@ def _canonical(frame) -> dict[str, Any] | None:
         return {"v": 1, "type": "verdict", "air": "dl", "round": int(g[0]), "n_accepted": int(g[1]),
                 "token": None if g[2] is None else int(g[2])}
     if kind == b"report":
+        timings = {"correction_s": _number(g[3])}
+        if g[4] is not None:
+            timings["host_wait_s"] = _number(g[4])
         return {"v": 1, "type": "report", "round": int(g[0]), "token": int(g[1]), "n_accepted": int(g[2]),
-                "timings": {"correction_s": _number(g[3])}, "dl_channel": None}
-    h = {"v": 1, "type": "draft", "air": "ul", "round": int(g[0]), "mode": g[1].decode(), "last_token": int(g[2]),
-         "timings": {"draft_s": _number(g[3]), "compute_s": _number(g[4]), "emulated_extra_s": _number(g[5]),
-                     "compute_scale": _number(g[6])}}
+                "timings": timings, "dl_channel": None}
+    timings = {"draft_s": _number(g[3]), "compute_s": _number(g[4]), "emulated_extra_s": _number(g[5]),
+               "compute_scale": _number(g[6])}
     if g[7] is not None:
-        h["topk"] = int(g[7])
-    shape = [int(g[11])] if g[12] is None else [int(g[11]), int(g[12])]
-    h["arrays"] = [{"name": "tokens", "dtype": "int32", "shape": [int(g[8])]},
-                   {"name": g[9].decode(), "dtype": g[10].decode(), "shape": shape}]
+        timings["host_wait_s"] = _number(g[7])
+    h = {"v": 1, "type": "draft", "air": "ul", "round": int(g[0]), "mode": g[1].decode(), "last_token": int(g[2]),
+         "timings": timings}
+    if g[8] is not None:
+        h["topk"] = int(g[8])
+    shape = [int(g[12])] if g[13] is None else [int(g[12]), int(g[13])]
+    h["arrays"] = [{"name": "tokens", "dtype": "int32", "shape": [int(g[9])]},
+                   {"name": g[10].decode(), "dtype": g[11].decode(), "shape": shape}]
     return h
 
 

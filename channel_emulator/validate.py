@@ -93,12 +93,16 @@ class Cell:
 
 
 def start_emulator(workdir: Path, mode: str = "real", spin_s: float = DEFAULT_SPIN_S) -> tuple[subprocess.Popen, dict]:
+    from testbed.launcher import child_preexec  # the command's side (the proxy process never imports it)
+
     eps = {"frontend": f"ipc://{workdir}/chan-front", "edge": f"ipc://{workdir}/chan-edge",
            "control": f"ipc://{workdir}/chan-ctl"}
+    # A terminal's Ctrl-C goes to the whole process group: the emulator leaves it to us, so that we stop it
+    # in order (as `multispin run` does its children) instead of finding it dead.
     proc = subprocess.Popen([sys.executable, "-m", "channel_emulator.proxy", "--frontend", eps["frontend"],
                              "--edge", eps["edge"], "--control", eps["control"], "--mode", mode,
                              "--spin-s", str(spin_s)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=child_preexec(),
                             cwd=str(Path(__file__).resolve().parent.parent))
     return proc, eps
 
@@ -128,7 +132,9 @@ class _Bench:
         self.encode_header = encode_header
         self.ctx = zmq.Context()
         self.proc, eps = start_emulator(tmp, mode=mode, spin_s=spin_s)
-        self.control = ChannelControl(eps["control"], timeout_s=10.0, context=self.ctx)
+        self.control = ChannelControl(eps["control"], timeout_s=10.0, context=self.ctx,
+                                      gone=lambda: None if self.proc.poll() is None else
+                                      f"exited ({self.proc.returncode})")
         self.edge = self.ctx.socket(zmq.ROUTER)
         self.edge.setsockopt(zmq.LINGER, 0)
         self.edge.bind(eps["edge"])

@@ -927,8 +927,12 @@ class Plan:
             "policy": self.policy, "goodput_tps": ev.goodput_tps, "round_time_s": ev.round_time_s,
             "phases_s": dict(ev.phases), "num_ul_devices": ev.num_ul_devices,
             "dl_bandwidth_per_device_hz": ev.dl_bandwidth_per_device_hz,
-            "devices": [dataclasses.asdict(d) for d in self.device_plans()], **self.info,
+            # Shallow: a DevicePlan holds plain numbers (asdict deep-copies, a third of a 256-device plan).
+            "devices": [{k: getattr(d, k) for k in _DEVICE_PLAN_KEYS} for d in self.device_plans()], **self.info,
         }
+
+
+_DEVICE_PLAN_KEYS = tuple(f.name for f in dataclasses.fields(DevicePlan))
 
 
 def exhaustive_modes(sc: Scenario, draft_lens, scorer: Scorer | None = None):

@@ -260,7 +260,8 @@ class Controller:
             self._header_obs_dl.append(bits)
         recent = self._header_obs_dl if len(self._header_obs_dl) >= 3 else self._header_obs
         if len(recent) >= 3:
-            self.header_bits = max(0.0, float(np.median(recent)))
+            # statistics.median: the same number as numpy's, at a thirtieth of its cost on 50 values (per draft)
+            self.header_bits = max(0.0, float(statistics.median(recent)))
 
     # -- planning --------------------------------------------------------------------------------
     def scenario_for(self, names: list[str], gains: dict[str, float],

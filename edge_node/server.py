@@ -218,6 +218,7 @@ class EdgeServer:
         # () -> why the emulator's process is gone, or None while it runs: set by whoever started it
         # (`testbed.session`); a cheap check each tick, so a dead emulator is seen within a heartbeat.
         self.channel_exited = None
+        self.check_stop = None  # optional callable, at every tick: raises to end the run (a swallowed signal)
         self.channel_down: str | None = None  # why the emulator is known dead: no further control calls
         self.recorder, self.policy = recorder, policy
         self.max_array_bytes, self.tx_marker = max_array_bytes, tx_marker
@@ -529,6 +530,8 @@ class EdgeServer:
         """Housekeeping a few times per heartbeat period: the refusal log's window closed, the emulator's
         process checked (in rounds too), heartbeats out, silent sessions ended, and between rounds a check
         that the emulator still answers."""
+        if self.check_stop is not None:
+            self.check_stop()
         if now < self._next_tick:
             return
         self._next_tick = now + self.heartbeat_s / 4

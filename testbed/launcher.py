@@ -254,6 +254,15 @@ class _Interrupts:
 
 _active: _Interrupts | None = None
 
+
+def raise_if_interrupted() -> None:
+    """Raise the run's `RunInterrupted` again if a signal came and the run did not begin to stop: the handler's
+    raise was swallowed (it ran inside a `__del__` or another place whose exceptions Python only prints), and
+    the run would go on with every further signal ignored. Called between rounds and at each edge tick."""
+    guard = _active
+    if guard is not None and guard.received is not None and not guard.shielded:
+        raise RunInterrupted(guard.received)
+
 # How a run ended (meta.json and summary.json `status`).
 COMPLETE, INCOMPLETE, INTERRUPTED, FAILED = "complete", "incomplete", "interrupted", "failed"
 

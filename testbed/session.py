@@ -49,6 +49,7 @@ from testbed.launcher import (
     interrupt_signals,
     load_tokenizer,
     port_in_use,
+    raise_if_interrupted,
     status_of,
     tcp_port,
 )
@@ -333,6 +334,7 @@ def start_edge(s: LiveSession) -> None:
         if exc.errno == zmq.EADDRINUSE and hp is not None:
             raise port_in_use("the edge's endpoint", bind, hp[1]) from None
         raise TestbedError(f"the edge's endpoint {bind}: {exc}") from None
+    s.server.check_stop = raise_if_interrupted  # also while it waits for devices or for a round's messages
 
 
 def start_channel(s: LiveSession) -> str:
@@ -475,6 +477,7 @@ def run_rounds(s: LiveSession, progress: bool, on_round) -> RoundTally:
         tokens += rec["measured"]["tokens"]
         tally.count, tally.last = tally.count + 1, rec
         save_progress(s, rec.get("round"))
+        raise_if_interrupted()  # a signal whose exception was swallowed still ends the run
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(progress_postfix(rec, tokens), refresh=False)

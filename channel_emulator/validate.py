@@ -127,14 +127,14 @@ class _Bench:
 
         self.spin_receive = spin_receive
         from channel_emulator.proxy import ChannelControl
+        from testbed.launcher import how_it_exited
         from testbed.wire.protocol import encode_header, tx_start_marker
 
         self.encode_header = encode_header
         self.ctx = zmq.Context()
         self.proc, eps = start_emulator(tmp, mode=mode, spin_s=spin_s)
         self.control = ChannelControl(eps["control"], timeout_s=10.0, context=self.ctx,
-                                      gone=lambda: None if self.proc.poll() is None else
-                                      f"exited ({self.proc.returncode})")
+                                      gone=lambda: how_it_exited(self.proc))
         self.edge = self.ctx.socket(zmq.ROUTER)
         self.edge.setsockopt(zmq.LINGER, 0)
         self.edge.bind(eps["edge"])

@@ -529,7 +529,7 @@ class EdgeServer:
     def _tick(self, now: float) -> None:
         """Housekeeping a few times per heartbeat period: the refusal log's window closed, the emulator's
         process checked (in rounds too), heartbeats out, silent sessions ended, and between rounds a check
-        that the emulator still answers."""
+        that the emulator still answers. `check_stop` first, at every call: it is one attribute test."""
         if self.check_stop is not None:
             self.check_stop()
         if now < self._next_tick:

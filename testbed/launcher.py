@@ -84,6 +84,18 @@ def child_preexec():
     return preexec
 
 
+def how_it_exited(proc: subprocess.Popen) -> str | None:
+    """"killed by SIGKILL" or "exit status 2" for a process that has exited, None while it runs
+    (`Popen.poll` only: cheap enough for every edge tick)."""
+    code = proc.poll()
+    if code is None:
+        return None
+    try:
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 class Launcher:
     """Owns child processes; `stop_all` terminates each by pid (then kills what does not exit)."""
 
@@ -258,7 +270,8 @@ _active: _Interrupts | None = None
 def raise_if_interrupted() -> None:
     """Raise the run's `RunInterrupted` again if a signal came and the run did not begin to stop: the handler's
     raise was swallowed (it ran inside a `__del__` or another place whose exceptions Python only prints), and
-    the run would go on with every further signal ignored. Called between rounds and at each edge tick."""
+    the run would go on with every further signal ignored. Called at each edge tick (`EdgeServer.check_stop`):
+    in every wait, and between rounds."""
     guard = _active
     if guard is not None and guard.received is not None and not guard.shielded:
         raise RunInterrupted(guard.received)

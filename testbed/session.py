@@ -20,7 +20,6 @@ import os
 import platform
 import secrets
 import shutil
-import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from testbed.launcher import (
     INCOMPLETE,
     Launcher,
     check_ports_free,
+    how_it_exited,
     interrupt_signals,
     load_tokenizer,
     port_in_use,
@@ -334,7 +334,9 @@ def start_edge(s: LiveSession) -> None:
         if exc.errno == zmq.EADDRINUSE and hp is not None:
             raise port_in_use("the edge's endpoint", bind, hp[1]) from None
         raise TestbedError(f"the edge's endpoint {bind}: {exc}") from None
-    s.server.check_stop = raise_if_interrupted  # also while it waits for devices or for a round's messages
+    # A signal whose exception was swallowed still ends the run: the edge ticks in every wait, between
+    # rounds too.
+    s.server.check_stop = raise_if_interrupted
 
 
 def start_channel(s: LiveSession) -> str:
@@ -370,15 +372,11 @@ def channel_exited(s: LiveSession) -> str | None:
     """Why the emulator this run started is gone ("exited (killed by SIGKILL, pid N): its last log line
     (log: ...)"), or None while it runs; `Popen.poll` only, cheap enough for every edge tick."""
     proc = s.launcher.procs.get("channel") if s.launcher is not None else None
-    if proc is None or proc.poll() is None:
+    how = None if proc is None else how_it_exited(proc)
+    if how is None:
         return None
-    code, last = proc.returncode, ""
-    try:
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-    except ValueError:
-        how = f"killed by signal {-code}"
-    if code > 0:  # it stopped itself: its last words say why (a killed one's are whatever it did last)
-        last = s.launcher.last_line("channel")
+    # It stopped itself: its last words say why (a killed one's are whatever it did last).
+    last = s.launcher.last_line("channel") if proc.returncode > 0 else ""
     return f"exited ({how}, pid {proc.pid}){': ' + last if last else ''} (log: {s.run_dir / 'logs' / 'channel.log'})"
 
 
@@ -477,7 +475,6 @@ def run_rounds(s: LiveSession, progress: bool, on_round) -> RoundTally:
         tokens += rec["measured"]["tokens"]
         tally.count, tally.last = tally.count + 1, rec
         save_progress(s, rec.get("round"))
-        raise_if_interrupted()  # a signal whose exception was swallowed still ends the run
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(progress_postfix(rec, tokens), refresh=False)

@@ -48,6 +48,7 @@ from device_node.link_probe import BackgroundProbe, LinkMeasurement, NoneProbe, 
 from device_node.options import EPILOG, ExitCode, add_arguments
 from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
 from testbed.security import ClientKeys, SecurityError, make_client
+from testbed.waiting import wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -69,10 +70,11 @@ class DeviceNode:
                  register_timeout_s: float = 120.0, idle_timeout_s: float = 300.0, tx_marker: bool = True,
                  keys: ClientKeys | None = None, reconnect: bool = False,
                  register_retry_s: float = REGISTER_RETRY_S, register_retry_max_s: float = REGISTER_RETRY_MAX_S,
-                 link_probe: BackgroundProbe | None = None, gate: Gate | None = None):
+                 link_probe: BackgroundProbe | None = None, gate: Gate | None = None, busy_poll: bool = False):
         self.connect, self.name, self.drafter = connect, name, drafter
         # Several devices in one process (`device_node.host`) handle their messages one at a time.
         self.gate = gate or OPEN
+        self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
         self.link_probe = link_probe
         self.hardware = hardware or HardwareProfile()
         self.register_timeout_s, self.idle_timeout_s = register_timeout_s, idle_timeout_s
@@ -233,7 +235,7 @@ class DeviceNode:
                            self.liveness * self.heartbeat_s - (now - self.last_heard))
             # Poll even when the window is over: after a pause (SIGSTOP, a slow draft) messages may be
             # waiting, and they prove the edge alive.
-            if self.sock.poll(max(0, int(wait * 1000))):
+            if wait_readable(self.sock, wait, busy=self.busy_poll):
                 frames = self.sock.recv_multipart(copy=False)
                 t_recv = time.perf_counter()
                 with self.gate:
@@ -502,7 +504,7 @@ def run_from_args(args) -> ExitCode:
         return ExitCode.USAGE
     node = DeviceNode(args.connect, args.name, drafter, hardware, register_timeout_s=args.register_timeout,
                       tx_marker=not args.no_tx_marker, keys=keys, reconnect=args.reconnect,
-                      link_probe=probe_thread.start() if probe_thread else None)
+                      link_probe=probe_thread.start() if probe_thread else None, busy_poll=args.busy_poll)
     try:
         return node.run()
     finally:

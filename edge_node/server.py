@@ -78,6 +78,7 @@ from testbed.core.sampling import (
 )
 from testbed.errors import TestbedError
 from testbed.link_estimate import LinkEstimator
+from testbed.waiting import wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -184,6 +185,7 @@ class RoundInFlight:
     t_reports_from: float | None = None
     reports_waited: set[str] = field(default_factory=set)   # reports queued while the edge was busy
     draws: dict[str, RoundRandomness] = field(default_factory=dict)  # name -> its draws, made while it drafts
+    ahead: bool = False  # scheduled with the previous round's verdicts (`EdgeServer._schedule_ahead`)
 
     def awaits_draft(self, name: str) -> bool:
         return (not self.closed and name in self.schedule and name not in self.drafts
@@ -202,7 +204,8 @@ class EdgeServer:
                  max_array_bytes: int = P.MAX_ARRAY_BYTES, tx_marker: bool = True, context=None,
                  keys_dir: str | None = None, heartbeat_s: float = 1.0, liveness: int = 5,
                  measure_links: bool = False, rate_probes=None,
-                 max_msgs_per_s: float | None = MAX_MSGS_PER_S):
+                 max_msgs_per_s: float | None = MAX_MSGS_PER_S, schedule_ahead: bool = False,
+                 busy_poll: bool = False):
         if not (math.isfinite(heartbeat_s) and M.MIN_HEARTBEAT_S <= heartbeat_s <= M.MAX_HEARTBEAT_S):
             raise ValueError(f"heartbeat_s={heartbeat_s!r}; allowed: {M.MIN_HEARTBEAT_S}..{M.MAX_HEARTBEAT_S} s")
         if not (isinstance(liveness, int) and 1 <= liveness <= M.MAX_LIVENESS):
@@ -243,6 +246,13 @@ class EdgeServer:
         self._in_round = False
         self._finished: dict[str, Session] = {}   # sessions that ended: outputs only (no KV cache, no drafts)
         self._next_plan: tuple[RoundPlan, float] | None = None  # (plan, seconds it took) made one round ahead
+        # No channel to account for (passthrough, links not measured): round r+1's schedules may go out right
+        # after round r's verdicts, its reports and record then overlap the next drafting (`_schedule_ahead`).
+        self.schedule_ahead = schedule_ahead and channel is None and not measure_links
+        self._ahead: RoundInFlight | None = None      # the next round, scheduled with this round's verdicts
+        self._reporting: RoundInFlight | None = None  # the round whose reports come in while `_ahead` drafts
+        self._rounds_end = 0  # `run`'s last round + 1: nothing is scheduled ahead past it
+        self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
         self.refused = 0
         self.refusals: Counter[str] = Counter()   # reason -> refused messages
         self.device_errors: dict[str, str] = {}  # name -> why the device said it cannot take part
@@ -330,7 +340,7 @@ class EdgeServer:
                 return
             wait = min(left, max(0.0, self._next_tick - time.monotonic()))
             self._free_since = time.monotonic()
-            if not self.sock.poll(max(1, int(wait * 1000))):
+            if not wait_readable(self.sock, max(0.001, wait), busy=self.busy_poll):
                 continue
             if self.drain(stop, limit=DRAIN_BATCH):
                 return
@@ -510,10 +520,10 @@ class EdgeServer:
             s.unconfirmed = 0
         s.pending, s.last_drafts = None, []
         self._finished[name] = s
-        cur = self._round_of(name)
-        if cur is not None and cur.sids.get(name) == s.sid:
-            cur.given_up.setdefault(name, reason)
-            cur.reports_given_up.add(name)
+        for cur in {id(c): c for c in (self._reporting, self._round_of(name)) if c is not None}.values():
+            if cur.sids.get(name) == s.sid:
+                cur.given_up.setdefault(name, reason)
+                cur.reports_given_up.add(name)
         if notify:
             try:
                 self._send(name, M.done(reason))
@@ -637,7 +647,7 @@ class EdgeServer:
         s = self.sessions.get(name)
         if s is None:
             raise Refusal("not_registered", f"report from {name!r}, which is not registered")
-        cur = self._round_of(name)
+        cur = self._reports_round_of(name, s)
         awaited = cur is not None and cur.sids.get(name) == s.sid and s.report_round == cur.index
         try:
             rep = self._check_report(s, header)
@@ -690,6 +700,11 @@ class EdgeServer:
         if self.prober is not None and self.prober.between_rounds():
             self._next_plan = None
 
+    def _reports_round_of(self, name: str, s: Session) -> RoundInFlight | None:
+        """The round a device's report answers: the one collecting reports while the next drafts, else its round."""
+        rep = self._reporting
+        return rep if rep is not None and rep.index == s.report_round else self._round_of(name)
+
     def _round_of(self, name: str) -> RoundInFlight | None:
         """The round a device's draft or report belongs to: the round in flight, or with asynchronous rounds
         the device's own cycle."""
@@ -717,8 +732,12 @@ class EdgeServer:
     def run_round(self, r: int) -> dict | None:
         """One synchronous round; returns its record (already written), or None when no device can take part.
 
-        plan -> schedule -> collect drafts -> verify and reply -> collect reports -> close and record.
+        plan -> schedule -> collect drafts -> verify and reply -> collect reports -> close and record. A round
+        scheduled ahead (with the previous round's verdicts) starts at collecting its drafts.
         """
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.index == r:
+            return self._serve_round(ahead, self._active_names())
         self._sit_out_missing_reports()
         self._end_silent_sessions(time.monotonic())  # a dead device is not scheduled
         names = self._active_names()
@@ -732,17 +751,27 @@ class EdgeServer:
                                                                               for n, why in rp.sat_out.items()))
             self.poll(time.monotonic() + self.heartbeat_s)
             return None
+        return self._serve_round(self._schedule(r, rp, plan_s), names)
+
+    def _serve_round(self, cur: RoundInFlight, names: list[str]) -> dict:
+        """A scheduled round from its drafting on: collect drafts, verify and reply (and perhaps schedule the next
+        round), collect reports, close and record."""
         self._in_round = True
         try:
-            cur = self._schedule(r, rp, plan_s)
             # While the devices draft: plan the next round (its estimates then lag one round, which costs
             # nothing measurable and keeps the optimizer off the critical path).
             wall, cpu = time.monotonic(), time.thread_time()
-            self._next_plan = self._fresh_plan(r + 1, names)
+            self._next_plan = self._fresh_plan(cur.index + 1, names)
             cur.plan_descheduled_s = max(0.0, (time.monotonic() - wall) - (time.thread_time() - cpu))
             present = self._collect_drafts(cur)
             outcomes, verify_s = self._verify_and_reply(cur, present)
-            t_end = self._collect_reports(cur, outcomes)
+            self._ahead = self._schedule_ahead(cur, outcomes)
+            try:
+                t_end = self._collect_reports(cur, outcomes)
+            finally:
+                self._reporting = None
+            if self._ahead is not None:
+                t_end = self._ahead.t0  # the round ended when the next began; its reports overlap that one
             return self._close_round(cur, outcomes, verify_s, t_end)
         finally:
             self._in_round = False
@@ -772,6 +801,27 @@ class EdgeServer:
         t = time.monotonic()
         rp = self.controller.plan_round(r, names, t - self.t_origin)
         return rp, time.monotonic() - t
+
+    def _schedule_ahead(self, cur: RoundInFlight, outcomes: dict[str, DeviceOutcome]) -> RoundInFlight | None:
+        """With `schedule_ahead`, send round r+1's schedules right after round r's verdicts when the edge already
+        holds every token of round r (no DL-mode correction to wait for) and the plan made during the drafting
+        is for exactly these devices: a device reads its verdict, reports and drafts on at once, and the report
+        trip and the record of round r leave the critical path. Returns the round scheduled, or None."""
+        if not self.schedule_ahead or cur.index + 1 >= self._rounds_end or self._next_plan is None:
+            return None
+        rp, plan_s = self._next_plan
+        names = sorted(outcomes)
+        if (rp.round != cur.index + 1 or names != sorted(cur.schedule) or sorted(rp.devices) != names
+                or any(o.dl_payload != "token" for o in outcomes.values())
+                or any(self._has_all_tokens(self.sessions[n]) for n in names)):
+            return None
+        self._next_plan, self._reporting = None, cur
+        nxt = self._schedule(cur.index + 1, rp, plan_s)
+        nxt.ahead = True
+        return nxt
+
+    def _has_all_tokens(self, s: Session) -> bool:
+        return bool(self.max_new_tokens) and len(s.output_ids) >= self.max_new_tokens
 
     # schedule
     def _schedule(self, r: int, rp: RoundPlan, plan_s: float) -> RoundInFlight:
@@ -955,6 +1005,7 @@ class EdgeServer:
         rec = round_record(rp, policy=self.policy, outcomes=outcomes, verify_s=verify_s, round_s=round_s,
                            t_start_s=cur.t0 - self.t_origin, virtual=virtual,
                            extra={"channel_mode": self.channel_mode, "plan_s": cur.plan_s,
+                                  "scheduled_ahead": cur.ahead,
                                   "edge_phases_s": edge_phases(cur, verify_s, t_end, self._last_round_end),
                                   **({"link_probes": self.prober.take_log()} if self.prober is not None else {}),
                                   "joined": sorted(set(self.sessions) - set(cur.schedule) - set(rp.sat_out))})
@@ -984,7 +1035,7 @@ class EdgeServer:
         """A session that has its max_new_tokens drafts no more: free its KV cache now (its outputs are
         kept) and tell the device."""
         s = self.sessions.get(name)
-        if s is not None and self.max_new_tokens and len(s.output_ids) >= self.max_new_tokens and not s.done:
+        if s is not None and self._has_all_tokens(s) and not s.done:
             s.done = True
             self.verifier.close(s.sid)
             self._send(name, M.done(f"generated {len(s.output_ids)} tokens"))
@@ -1040,6 +1091,7 @@ class EdgeServer:
             return run_asynchronous(self, rounds, on_round=on_round, keep_records=keep_records,
                                     start_round=start_round)
         records: list[dict] | None = [] if keep_records else None
+        self._rounds_end = rounds
         for r in range(start_round, rounds):
             self.round_index = r
             # Serve registrations that arrived between rounds (joins and rejoins); check the emulator.

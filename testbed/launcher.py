@@ -107,6 +107,7 @@ class Launcher:
         self.device_connect: str | None = None  # where devices connect in this run
         self.device_procs: dict[str, str] = {}  # device name -> label of the process it runs in
         self.keys_dir: str | None = None  # with CURVE keys: devices use <keys_dir>/clients/<name>/
+        self.busy_poll = False  # devices started here busy-poll their socket (`testbed.waiting`)
 
     def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         fh = open(self.log_dir / f"{label}.log", "ab")
@@ -140,6 +141,8 @@ class Launcher:
             argv += ["--hardware", hardware]
         if self.keys_dir:
             argv += ["--keys", str(Path(self.keys_dir) / "clients" / name)]
+        if self.busy_poll:
+            argv += ["--busy-poll"]
         self.device_procs[name] = f"device-{label}"
         return self.start(f"device-{label}", argv + list(extra_args or []))
 

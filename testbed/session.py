@@ -58,6 +58,7 @@ from testbed.profile import Profile, ProfileError, load_profile
 from testbed.records import RunRecorder, iter_rounds, load_progress
 from testbed.runs_index import pid_alive
 from testbed.security import EDGE_CLIENT, ClientKeys, SecurityError, ServerKeys, require_keys_or_insecure
+from testbed.waiting import busy_poll_wanted
 
 log = logging.getLogger("multispin.session")
 
@@ -104,6 +105,14 @@ class LiveSession:
     @property
     def vocab(self) -> int:
         return self.verifier.vocab_size
+
+    @property
+    def busy_poll(self) -> bool:
+        """Whether the edge and the device processes started here busy-poll (`profile.busy_poll`; auto: when the
+        edge, the emulator and those processes have a core each)."""
+        p = self.profile
+        device_processes = -(-len(self.names) // p.devices_per_process) if self.start_devices else 0
+        return busy_poll_wanted(p.busy_poll, 1 + (p.channel.mode != "passthrough") + device_processes)
 
     @property
     def start_round(self) -> int:
@@ -328,7 +337,8 @@ def start_edge(s: LiveSession) -> None:
                               recorder=s.recorder, policy=p.policy, prompt_texts=texts,
                               measure_links=p.channel.measure_links, rate_probes=p.channel.rate_probes,
                               keys_dir=p.keys_dir,
-                              heartbeat_s=p.heartbeat_s, liveness=p.liveness)
+                              heartbeat_s=p.heartbeat_s, liveness=p.liveness,
+                              schedule_ahead=p.channel.mode == "passthrough", busy_poll=s.busy_poll)
     except zmq.ZMQError as exc:  # a port taken since check_endpoints, or an address not of this host
         hp = tcp_port(bind)
         if exc.errno == zmq.EADDRINUSE and hp is not None:
@@ -389,11 +399,13 @@ def channel_down(s: LiveSession) -> str | None:
 def start_devices(s: LiveSession, connect: str) -> None:
     s.launcher.device_connect = connect  # on_round callbacks start replacement devices there
     s.launcher.keys_dir = s.profile.keys_dir
+    s.launcher.busy_poll = s.busy_poll and s.profile.devices_per_process == 1  # a shared process never spins
     if s.start_devices:
         s.launcher.start_devices(connect, s.pair["draft_onnx"], device_specs(s),
                                  per_process=s.profile.devices_per_process)
     # What to look for if this process is killed; which process runs which device.
-    s.recorder.update_meta(pids=s.launcher.pids(), device_processes=dict(s.launcher.device_procs))
+    s.recorder.update_meta(pids=s.launcher.pids(), device_processes=dict(s.launcher.device_procs),
+                           busy_poll=s.busy_poll)
 
 
 def device_specs(s: LiveSession) -> list[dict]:

@@ -5,7 +5,11 @@ in-process speculative decoding loop on the same pair, settings, seeds and sched
                                    [--curve off|on|both]
 
 Prints tokens/s of both, their ratio (target >= 0.9) and the per-round overhead in ms, and checks that
-both produced the same tokens (same seeds, same accept/reject code). `--curve on` authenticates and
+both produced the same tokens (same seeds, same accept/reject code). Each live run is compared with the
+in-process runs just before and just after it, pooled (repeats + 1 in-process runs in all): the speed of a
+shared machine drifts within a minute. The live run is what `multispin run` does with this profile: a
+pass-through channel schedules each round with the previous round's verdicts, and with a core for the edge
+and one for the device (`busy_poll: auto`) both busy-poll (docs/architecture.md). `--curve on` authenticates and
 encrypts the edge's socket (CURVE, keys made for the run; loopback tcp), `both` measures it beside a plain
 tcp run in the same repetitions, so the cost of security reads off one table.
 
@@ -122,11 +126,16 @@ def main(argv=None) -> int:
     params = SamplingParams(**profile.sampling.model_dump())
     prompt_ids = load_tokenizer(str(paths.tokenizer)).encode(prompt).ids
 
-    results = []
-    for _rep in range(args.repeats):  # alternate the sides: load from other work hits them alike
-        ref_tokens, ref_times, ref_counts, ref_phases = in_process(paths, prompt_ids, args.rounds, args.draft_len,
-                                                                   args.seed, params, 16, threads=args.threads,
-                                                                   device=args.device)
+    def reference():
+        return in_process(paths, prompt_ids, args.rounds, args.draft_len, args.seed, params, 16,
+                          threads=args.threads, device=args.device)
+
+    # The sides alternate, and each live run is compared with the in-process runs just before and just after
+    # it, pooled: this machine's speed drifts by 20% within a minute (shared cores), which a single reference
+    # run on one side would count as the testbed's.
+    results, before = [], reference()
+    for _rep in range(args.repeats):
+        lives = []
         for variant, prof in profiles.items():
             writes: list[float] = []  # the recorder's write time, as each round's callback finds it
             with tempfile.TemporaryDirectory() as tmp:
@@ -134,13 +143,20 @@ def main(argv=None) -> int:
                          on_round=lambda rec, server, launcher, w=writes: w.append(server.recorder.write_s))
                 _, records = load_run(Path(tmp) / "run")
                 outputs = json.loads((Path(tmp) / "run" / "outputs.json").read_text())
-            results.append({"transport": variant, **compare_sides(records, outputs, ref_tokens, ref_times,
-                                                                   ref_counts),
-                            "phases_ms": phase_breakdown(records, np.diff(writes), ref_phases)})
+            lives.append((variant, records, outputs, np.diff(writes)))
+        after = reference()
+        ref_tokens = before[0]
+        ref_times, ref_counts, ref_phases = (before[i][1:] + after[i][1:] for i in (1, 2, 3))  # warm-ups out
+        for variant, records, outputs, writes in lives:
+            results.append({"transport": variant, "identical_tokens_after": outputs["d0"]["output_ids"] == after[0],
+                            **compare_sides(records, outputs, ref_tokens, ref_times, ref_counts),
+                            "phases_ms": phase_breakdown(records, writes, ref_phases)})
+        before = after
     shutil.rmtree(keys_dir, ignore_errors=True)
     by_transport = {v: [r for r in results if r["transport"] == v] for v in profiles}
     result = {"pair": args.pair, "rounds": args.rounds, "draft_len": args.draft_len, "mode": args.mode,
-              "repeats": results, "identical_tokens": all(r["identical_tokens"] for r in results),
+              "repeats": results,
+              "identical_tokens": all(r["identical_tokens"] and r["identical_tokens_after"] for r in results),
               "transports": {v: {"median_ratio": float(np.median([r["ratio"] for r in rs])),
                                  "median_overhead_ms_per_round": float(np.median([r["overhead_ms_per_round"]
                                                                                   for r in rs])),
@@ -185,14 +201,14 @@ def compare_sides(records, outputs, ref_tokens, ref_times, ref_counts) -> dict:
     # starts, so planning, channel configuration and record writing (fsync) between rounds count too.
     tb_time = records[-1]["t_start_s"] + records[-1]["measured"]["round_s"] - records[1]["t_start_s"]
     tb_tokens = sum(r["measured"]["tokens"] for r in records[1:])
-    ip_time = sum(ref_times[1:])
     n = len(records) - 1
+    ip_round = sum(ref_times) / len(ref_times)  # the reference comes without its warm-up rounds
     return {"identical_tokens": outputs["d0"]["output_ids"] == ref_tokens,
             "testbed_tokens_per_s": tb_tokens / tb_time,
-            "in_process_tokens_per_s": sum(ref_counts[1:]) / ip_time,
-            "ratio": (tb_tokens / tb_time) / (sum(ref_counts[1:]) / ip_time),
-            "mean_round_ms_testbed": 1000 * tb_time / n, "mean_round_ms_in_process": 1000 * ip_time / n,
-            "overhead_ms_per_round": 1000 * (tb_time - ip_time) / n,
+            "in_process_tokens_per_s": sum(ref_counts) / sum(ref_times),
+            "ratio": (tb_tokens / tb_time) / (sum(ref_counts) / sum(ref_times)),
+            "mean_round_ms_testbed": 1000 * tb_time / n, "mean_round_ms_in_process": 1000 * ip_round,
+            "overhead_ms_per_round": 1000 * (tb_time / n - ip_round),
             "median_plan_ms": 1000 * float(np.median([r.get("plan_s") or 0.0 for r in records[1:]]))}
 
 
@@ -222,7 +238,7 @@ def phase_breakdown(records: list[dict], writes, ref_phases: list[dict]) -> dict
     live["writes"] = list(writes[1:])
     out = {}
     for row, key, ref in PHASES:
-        ip = float(1000 * np.median([p[ref] for p in ref_phases[1:]])) if ref else None
+        ip = float(1000 * np.median([p[ref] for p in ref_phases])) if ref else None
         tb = float(1000 * np.median(live[key])) if live[key] else None
         out[row] = {"testbed": tb, "in_process": ip,
                     "overhead": None if tb is None else tb - (ip or 0.0)}

@@ -222,6 +222,9 @@ class EdgeServer:
         # (`testbed.session`); a cheap check each tick, so a dead emulator is seen within a heartbeat.
         self.channel_exited = None
         self.check_stop = None  # optional callable, at every tick: raises to end the run (a swallowed signal)
+        # Optional callable(record), just before a record is written: the session's progress line goes first, so
+        # a kill between the two leaves the tokens of a round without its record, never a record without them.
+        self.before_record = None
         self.channel_down: str | None = None  # why the emulator is known dead: no further control calls
         self.recorder, self.policy = recorder, policy
         self.max_array_bytes, self.tx_marker = max_array_bytes, tx_marker
@@ -1026,6 +1029,8 @@ class EdgeServer:
             self.controller.observe_round(rec["measured"]["round_s"], *fit_round)
         self.controller.observe_energy(rec)  # measured UL air times: the energy budgets' margins
         self.controller.observe_outcome(rec)  # what the policy sees of this round next time
+        if self.before_record is not None:
+            self.before_record(rec)
         if self.recorder is not None:
             self.recorder.append_round(rec)
         self.rounds_done += 1

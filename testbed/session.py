@@ -468,8 +468,9 @@ class RoundTally:
 
 
 def run_rounds(s: LiveSession, progress: bool, on_round) -> RoundTally:
-    """The profile's rounds, with a progress bar (round, tokens, measured and predicted goodput); after each
-    round the progress log gets every device's tokens so far (what a resumed run continues from). Records
+    """The profile's rounds, with a progress bar (round, tokens, measured and predicted goodput); with each
+    round, just before its record, the progress log gets every device's tokens so far (what a resumed run
+    continues from). Records
     are not kept in memory past their write: a long run's edge stays flat."""
     bar = None
     if progress:
@@ -486,13 +487,14 @@ def run_rounds(s: LiveSession, progress: bool, on_round) -> RoundTally:
         nonlocal tokens
         tokens += rec["measured"]["tokens"]
         tally.count, tally.last = tally.count + 1, rec
-        save_progress(s, rec.get("round"))
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(progress_postfix(rec, tokens), refresh=False)
         if on_round is not None:
             on_round(rec, s.server, s.launcher)
 
+    # Each round's progress line just before its record (`EdgeServer.before_record`).
+    s.server.before_record = lambda rec: save_progress(s, rec.get("round"))
     try:
         run_from(s.server, s.start_round, s.profile.rounds, _on_round)
         return tally

@@ -202,6 +202,26 @@ def test_kill_9_leaves_no_orphan_and_the_run_resumes(micro_pair, tmp_path):
     assert len(set(resumed)) == len(resumed)
 
 
+def test_a_rounds_progress_line_is_on_disk_before_its_record(micro_pair, tmp_path):
+    # The order that makes kill -9 lose no tokens: (round, progress log's round, last record on disk), as the
+    # record is about to be written.
+    run_dir, seen = tmp_path / "run", []
+
+    def on_round(rec, server, launcher):
+        if rec["round"] == 0:
+            progress_line = server.before_record
+
+            def check(r):
+                progress_line(r)
+                lines = (run_dir / "rounds.jsonl").read_text().splitlines()
+                seen.append((r["round"], load_progress(run_dir)["round"], json.loads(lines[-1])["round"]))
+
+            server.before_record = check
+
+    run_live(load_profile(_profile_data(micro_pair, rounds=4)), run_dir, progress=False, on_round=on_round)
+    assert seen == [(1, 1, 0), (2, 2, 1), (3, 3, 2)]
+
+
 def test_a_run_whose_devices_all_left_is_incomplete(micro_pair, tmp_path):
     run_dir = tmp_path / "run"
 

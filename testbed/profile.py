@@ -185,8 +185,9 @@ class Profile(_Strict):
                                      description="emulation: devices per device process (one onnxruntime session)")
     wait_for_devices_s: float = Field(default=120.0, gt=0, description="time to wait for devices to register")
     # Busy-poll sockets instead of sleeping in the kernel (testbed.waiting): 0.3-0.5 ms less per message
-    # on a virtual machine, a core per waiting process. auto: on when each process of the run here (edge,
-    # emulator, device processes) has a core of its own; devices sharing a process never busy-poll.
+    # on a virtual machine, a core per waiting process. auto: on when the run starts its devices here and each
+    # of its processes (edge, emulator, device processes) has a core of its own, off while links are measured;
+    # devices sharing a process never busy-poll.
     busy_poll: Literal["auto", "on", "off"] = Field(default="auto", description="busy-poll sockets: auto | on | off")
     # None: each round's record (and progress line) is fsynced as it is written, by a thread of the recorder
     # (0.2 ms of I/O a line; measured 0.4-0.6 ms of a round on 2 busy cores). A number: fsynced inline at most

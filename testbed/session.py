@@ -108,9 +108,14 @@ class LiveSession:
 
     @property
     def busy_poll(self) -> bool:
-        """Whether the edge and the device processes started here busy-poll (`profile.busy_poll`; auto: when the
-        edge, the emulator and those processes have a core each)."""
+        """Whether the edge and the device processes started here busy-poll (`profile.busy_poll`). auto: only when
+        the run starts its devices here (then it knows every process on this machine) and the edge, the
+        emulator and the device processes have a core each, and not while the edge measures its links (a
+        spinning edge takes the core the kernel's network stack needs for them: a tbf-limited 40 Mbit/s link
+        read 54 Mbit/s)."""
         p = self.profile
+        if p.busy_poll == "auto" and (not self.start_devices or p.channel.measure_links):
+            return False
         device_processes = -(-len(self.names) // p.devices_per_process) if self.start_devices else 0
         return busy_poll_wanted(p.busy_poll, 1 + (p.channel.mode != "passthrough") + device_processes)
 

@@ -12,6 +12,7 @@ import sys
 
 from testbed import __version__
 from testbed.errors import TestbedError
+from testbed.heap import keep_freed_memory
 
 # Order is the order `multispin --help` lists them.
 COMMAND_MODULES = [
@@ -63,6 +64,7 @@ def quiet_mode() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # the edge's and simulate's plans: no page faults for their large temporaries
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse cannot take positionals on both sides of an option (`report A --no-plots B`); the runs

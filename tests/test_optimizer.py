@@ -251,15 +251,21 @@ def test_incremental_scoring_equals_full_scoring(options):
         Lc = np.repeat(L0[None], ks.size, axis=0)
         Lc[np.arange(ks.size), ks] += 1
         G, T, ul = s.prefix(Lc)
-        G2, T2, ul2 = s.prefix_neighbors(L0, ks, Lc)
+        G2, T2, ul2, up2 = s.prefix_neighbors(L0, ks, Lc)
         np.testing.assert_allclose(G2, G, rtol=1e-12)
         np.testing.assert_allclose(T2, T, rtol=1e-12)
         assert np.array_equal(ul2, ul)
+        idx = s._index(Lc)
+        uplink = lambda modes, s=s, idx=idx: np.where(modes, s.flat["up_u"][idx], s.flat["up_d"][idx]).max(-1)
+        if up2 is not None:  # the uplink phase of each row's modes (the greedy's bottleneck)
+            np.testing.assert_array_equal(up2, uplink(ul))
         for modes in (np.zeros(n, bool), np.ones(n, bool), rng.random(n) < 0.5):
             for equal in (False, True):
                 G, T = s.fixed(Lc, np.broadcast_to(modes, Lc.shape), equal_power=equal)
-                G2, T2, _ = s.fixed_neighbors(L0, ks, Lc, modes, equal)
+                G2, T2, _, up2 = s.fixed_neighbors(L0, ks, Lc, modes, equal)
                 np.testing.assert_allclose(G2, G, rtol=1e-12)
+                if up2 is not None:
+                    np.testing.assert_array_equal(up2, uplink(np.broadcast_to(modes, Lc.shape)))
 
 
 @pytest.mark.parametrize("options", [{}, {"dl_provisioning": "expected"}, {"ul_protocol": "lazy"},

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from testbed import PROFILES_DIR
+from testbed.heap import keep_freed_memory
 
 DEFAULT_PROFILE = PROFILES_DIR / "scenarios" / "default.yaml"
 # What a simulation writes into --out: with --force exactly these are replaced, so that no plot of an
@@ -76,6 +77,7 @@ def _init_worker(task) -> None:
 
     global _TASK
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_freed_memory()  # as the parent: a spawned process starts with glibc's defaults
     _TASK = task
 
 
@@ -121,6 +123,7 @@ def process_map(jobs: int, bar):
 
 def _apply(task, t: tuple) -> list:
     """One Ray task: the rows of one point x drop."""
+    keep_freed_memory()  # once per Ray worker process (idempotent)
     return task(*t)
 
 

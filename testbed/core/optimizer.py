@@ -457,9 +457,10 @@ class Scorer:
         ad_new = f["up_d"][new]
         suf_d = np.where(A, np.maximum(excl(b["SD1"], b["SD2"], K, b["up_d"]), ad_new),
                          np.where(B, np.maximum(b["SD1"][K1], ad_new), b["SD1"][K]))
-        base_T = np.maximum(pre_up, suf_d) + cand["t_ver"][c] + self.t_over
+        up = np.maximum(pre_up, suf_d)  # the uplink phase: the greedy's bottleneck for its fill rows
+        base_T = up + cand["t_ver"][c] + self.t_over
         last = self.nd[K] > 0
-        parts = dict(A=A, B=B, K=K, K1=K1, c=c, base_T=base_T, pre_post=pre_post, last=last)
+        parts = dict(A=A, B=B, K=K, K1=K1, c=c, base_T=base_T, pre_post=pre_post, last=last, up=up)
         if self.sc.dl_access == "tdma":
             t_new = f["S"][new] / self.tdma_rate[cand["k"][c]]
             tau = np.where(A, b["TD"][K] - b["t"][i] + t_new, np.where(B, b["TD"][K1] + t_new, b["TD"][K]))
@@ -544,7 +545,7 @@ class Scorer:
             Lc = np.repeat(L0[None], ks.size, axis=0)
             Lc[np.arange(ks.size), ks] += 1
         if not self.incremental:
-            return self.prefix(Lc)
+            return (*self.prefix(Lc), None)
         n, C = self.n, ks.size
         self.evaluations += C
         b = self._base_row(L0)
@@ -615,13 +616,22 @@ class Scorer:
         first[1:] = rows[order][1:] != rows[order][:-1]
         pick = order[first]
         if pick.size != C:  # cannot happen with valid bounds; score in full rather than guess
-            return self.prefix(Lc)
+            return (*self.prefix(Lc), None)
         best, T_best = Ks[pick], T[pick]
-        G = self.flat["E"][self._index(Lc)].sum(-1) / T_best
-        p = b["pos0"][None, :]
-        ic, jc = i[:, None], j[:, None]
-        newpos = np.where(np.arange(n)[None, :] == ks[:, None], jc, np.where((p > ic) & (p <= jc), p - 1, p))
-        return G, T_best, newpos < best[:, None]
+        G = self._raised_tokens(L0, new) / T_best
+        # UL: sorted position < best. Only two devices of a row sit elsewhere than in the base row: k (at j),
+        # and, when k moved past best, the base's device at position best (one down, into the UL set).
+        ul = b["pos0"][None, :] < best[:, None]
+        c = np.arange(C)
+        ul[c, ks] = j < best
+        down = np.flatnonzero((i < best) & (best <= j))
+        ul[down, self.by_rank["dev"][b["r0"][best[down]]]] = True
+        return G, T_best, ul, parts["up"][pick]
+
+    def _raised_tokens(self, L0, new):
+        """Expected tokens of L0 + e_k for each raised flat entry `new` (its length's entry; one below is L0's)."""
+        E = self.flat["E"]
+        return E[self.offset[0] + L0 - 1].sum() + (E[new] - E[new - 1])
 
     def fixed_neighbors(self, L0, ks, Lc, ul, equal_power: bool = False, exact: bool = True):
         """`fixed(Lc, ul)` for the single increments Lc[c] = L0 + e_{ks[c]} in fixed modes ul (N,): the
@@ -635,7 +645,7 @@ class Scorer:
         cover the new set) and above channel inversion with the 1/g-weighted mean payload."""
         if not self.incremental:
             ul = np.broadcast_to(ul, Lc.shape)
-            return (*self.fixed(Lc, ul, equal_power=equal_power), ul)
+            return (*self.fixed(Lc, ul, equal_power=equal_power), ul, None)
         sc, f = self.sc, self.flat
         L0 = np.asarray(L0)
         ks = np.asarray(ks)
@@ -644,6 +654,7 @@ class Scorer:
         self.evaluations += ks.size
         idx0 = self.offset[0] + L0 - 1
         new = ks * self.lmax + L0[ks]
+        t_ver = self._verify_raised(L0, ks)
 
         def top_without_k(base, raised):
             m1, m2 = (m[-1] for m in self._top2(base))
@@ -686,7 +697,7 @@ class Scorer:
                 else:
                     x_base = solve_x(wts, S0, R)
                     down = np.full(ks.size, 1.0 / (w * x_base))
-                    E = f["E"][self._index(Lc)].sum(-1)
+                    E = self._raised_tokens(L0, new)
                     if not exact and c.size > 1:
                         wsum = wts.sum()
                         per_bit = w * np.log1p(R / wsum) / LN2
@@ -694,7 +705,7 @@ class Scorer:
                         lo, hi = down.copy(), down.copy()
                         lo[c] = np.maximum(down[c], mean / per_bit)
                         hi[c] = down[c] * np.maximum(S_new[c] / S0[ks[c]], 1.0)
-                        rest = up + model.verify_time(sc, Lc) + self.t_over
+                        rest = up + t_ver + self.t_over
                         T_lo = rest + np.maximum(post_ul, lo)
                         g_lb = E / (rest + np.maximum(post_ul, hi))
                         open_ = E / T_lo * (1 + 1e-9) >= g_lb.max()
@@ -708,14 +719,13 @@ class Scorer:
                         T = T_lo.copy()
                         g = g_lb.copy()
                         down[solve] = 1.0 / (w * x)
-                        T[solve] = up[solve] + model.verify_time(sc, Lc[solve]) + np.maximum(
-                            post_ul[solve], down[solve]) + self.t_over
+                        T[solve] = up[solve] + t_ver[solve] + np.maximum(post_ul[solve], down[solve]) + self.t_over
                         g[solve] = E[solve] / T[solve]
-                        return g, T, np.broadcast_to(ul, Lc.shape)
+                        return g, T, np.broadcast_to(ul, Lc.shape), up
                     down[solve] = 1.0 / (w * x)
-        T = up + model.verify_time(sc, Lc) + np.maximum(post_ul, down) + self.t_over
-        G = f["E"][self._index(Lc)].sum(-1) / T
-        return G, T, np.broadcast_to(ul, Lc.shape)
+        T = up + t_ver + np.maximum(post_ul, down) + self.t_over
+        G = self._raised_tokens(L0, new) / T
+        return G, T, np.broadcast_to(ul, Lc.shape), up
 
 
 def _best_first(rows, T_lo, bound, exact, rounds: int = 3):
@@ -754,9 +764,12 @@ def _fill_levels(scorer: Scorer, ul, bottleneck):
         if used is not None and not used.any():
             counts.append(None)
             continue
-        c = np.zeros((thr.size, scorer.n), np.int16)
-        for lev in range(scorer.lmax):  # a loop over lengths (<= 64), not over devices
-            c += tab[None, :, lev] <= thr[:, None]
+        # tab[j, lev] <= thr[t] exactly from t = first[j, lev] on (thr sorted): count those per (t, j) and
+        # accumulate over t, instead of comparing every length with every threshold
+        first = np.searchsorted(thr, tab, side="left")
+        hits = np.bincount((first * scorer.n + np.arange(scorer.n)[:, None]).ravel(),
+                           minlength=(thr.size + 1) * scorer.n)
+        c = np.cumsum(hits.reshape(thr.size + 1, scorer.n)[:-1], axis=0)
         counts.append(c[inv])
     cu, cd = counts
     if cu is None:
@@ -834,11 +847,13 @@ def greedy(scorer: Scorer, score, fill: bool, start=None):
             break
         Lc = np.repeat(L[None], cand.size, axis=0)
         Lc[np.arange(cand.size), cand] += 1
-        G, T, ul = neighbors(L, cand, Lc) if neighbors is not None else score(Lc)
-        allL, allG = [Lc], [G]
+        # neighbors also give each row's uplink phase (None: computed here)
+        G, T, ul, bottleneck = neighbors(L, cand, Lc) if neighbors is not None else (*score(Lc), None)
+        rows = [(Lc, G)]
         if fill:
-            idx = scorer._index(Lc)
-            bottleneck = np.where(ul, f["up_u"][idx], f["up_d"][idx]).max(-1)
+            if bottleneck is None:
+                idx = scorer._index(Lc)
+                bottleneck = np.where(ul, f["up_u"][idx], f["up_d"][idx]).max(-1)
             Lf = np.maximum(Lc, _fill_levels(scorer, ul, bottleneck))
             changed = np.flatnonzero(np.any(Lf != Lc, axis=1))
             if changed.size:
@@ -848,13 +863,16 @@ def greedy(scorer: Scorer, score, fill: bool, start=None):
                                         max(float(G.max()), g_cur * (1 + _REL_GAIN)))
                 else:
                     Gf = score(Lf)[0]
-                allL.append(Lf)
-                allG.append(Gf)
-        allL, allG = np.concatenate(allL), np.concatenate(allG)
-        i = int(np.argmax(allG))
-        if not allG[i] > g_cur * (1 + _REL_GAIN):
+                rows.append((Lf, Gf))
+        # the first best row over the single increments, then the fill rows (argmax of both, concatenated)
+        L_best, g_best = None, -np.inf
+        for Ls, Gs in rows:
+            i = int(np.argmax(Gs))
+            if Gs[i] > g_best:
+                L_best, g_best = Ls[i], Gs[i]
+        if not g_best > g_cur * (1 + _REL_GAIN):
             break
-        L, g_cur = allL[i].copy(), allG[i]
+        L, g_cur = L_best.copy(), g_best
     return L
 
 

@@ -39,6 +39,7 @@ from testbed.core import payload
 from testbed.core.sampling import SamplingParams
 from testbed.core.scenario import Scenario
 from testbed.errors import TestbedError
+from testbed.heap import keep_freed_memory
 from testbed.launcher import (
     COMPLETE,
     FAILED,
@@ -331,6 +332,7 @@ def check_endpoints(s: LiveSession) -> None:
 
 def start_edge(s: LiveSession) -> None:
     p = s.profile
+    keep_freed_memory()  # the edge plans every round (`testbed.heap`); also for run_live outside `multispin`
     bind = edge_endpoint(s)
     prompts, texts = edge_prompts(s)
     try:

@@ -30,6 +30,10 @@ def warn(command: str, message: str) -> None:
     print(f"multispin {command}: warning: {message}", file=sys.stderr, flush=True)
 
 
+# The commands whose process runs the optimizer (an edge, a sweep); not a device's or the emulator's.
+PLANNING_COMMANDS = frozenset({"run", "edge", "plan", "simulate", "campaign", "compare"})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multispin",
@@ -64,7 +68,6 @@ def quiet_mode() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    keep_freed_memory()  # the edge's and simulate's plans: no page faults for their large temporaries
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse cannot take positionals on both sides of an option (`report A --no-plots B`); the runs
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if quiet:  # basicConfig leaves a root logger that has handlers already (an embedding program) as it is
         logging.getLogger().setLevel(logging.WARNING)
+    if args.command in PLANNING_COMMANDS:  # large optimizer temporaries: no page faults (`testbed.heap`)
+        keep_freed_memory()
     try:
         result = args.handler(args)
     except TestbedError as exc:  # the library's and the commands' errors alike (CliError is one)

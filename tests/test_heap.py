@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +45,18 @@ def test_kept_freed_memory_spares_the_page_faults_of_large_temporaries():
     assert default["faults"] >= 0.5 * pages, default  # each temporary faulted in afresh
     assert kept["faults"] <= 0.05 * pages, kept       # the same pages, reused
     assert keep_freed_memory() is True and keep_freed_memory() is True  # idempotent
+
+
+def test_the_commands_that_plan_keep_freed_memory_and_the_others_do_not(tmp_path):
+    from testbed.cli import PLANNING_COMMANDS, build_parser
+
+    commands = set(build_parser()._subparsers._group_actions[0].choices)
+    assert PLANNING_COMMANDS <= commands and not {"device", "channel"} & PLANNING_COMMANDS
+    probe = ("import contextlib, io, sys; from testbed import cli, heap\n"
+             "with contextlib.redirect_stdout(io.StringIO()): rc = cli.main(sys.argv[1:])\n"
+             "print(rc, heap._done)")
+    for argv, kept in ((["plan", "profiles/scenarios/example-two-devices.yaml"], "True"),
+                       (["runs", str(tmp_path)], "False")):
+        out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[1])
+        assert out.stdout.split() == ["0", kept], (argv, out.stdout, out.stderr[-2000:])

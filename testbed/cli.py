@@ -12,7 +12,6 @@ import sys
 
 from testbed import __version__
 from testbed.errors import TestbedError
-from testbed.heap import keep_freed_memory
 
 # Order is the order `multispin --help` lists them.
 COMMAND_MODULES = [
@@ -28,10 +27,6 @@ class CliError(TestbedError):
 def warn(command: str, message: str) -> None:
     """A flag that is clamped or ignored: one line on stderr (not a log record: it shows under --quiet too)."""
     print(f"multispin {command}: warning: {message}", file=sys.stderr, flush=True)
-
-
-# The commands whose process runs the optimizer (an edge, a sweep); not a device's or the emulator's.
-PLANNING_COMMANDS = frozenset({"run", "edge", "plan", "simulate", "campaign", "compare"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     if quiet:  # basicConfig leaves a root logger that has handlers already (an embedding program) as it is
         logging.getLogger().setLevel(logging.WARNING)
-    if args.command in PLANNING_COMMANDS:  # large optimizer temporaries: no page faults (`testbed.heap`)
-        keep_freed_memory()
     try:
         result = args.handler(args)
     except TestbedError as exc:  # the library's and the commands' errors alike (CliError is one)

@@ -5,9 +5,9 @@ maps such blocks fresh from the kernel, or trims the heap once 2x the largest fr
 top, so nearly every step faults its pages in again; on a virtual machine that was two thirds of a
 512-device plan (`tools/bench_optimizer.py --default-malloc`: 135-170 ms against 47-71 ms with this).
 `keep_freed_memory` raises both thresholds for this process: up to `trim_mib` of freed memory stays
-mapped for the next allocation. Processes that plan call it (`multispin run`, `edge`, `plan`, `simulate`,
-`campaign`, `compare`, the edge of `run_live`, `simulate`'s workers); a device process and the emulator do
-not.
+mapped for the next allocation. Where the optimizer runs calls it: the edge of every live run
+(`testbed.session.start_edge`), `multispin plan`, `multispin simulate` and its workers; a device process and
+the emulator do not.
 """
 
 from __future__ import annotations

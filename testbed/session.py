@@ -332,7 +332,7 @@ def check_endpoints(s: LiveSession) -> None:
 
 def start_edge(s: LiveSession) -> None:
     p = s.profile
-    keep_freed_memory()  # the edge plans every round (`testbed.heap`); also for run_live outside `multispin`
+    keep_freed_memory()  # the edge plans every round (`testbed.heap`): every live run comes through here
     bind = edge_endpoint(s)
     prompts, texts = edge_prompts(s)
     try:

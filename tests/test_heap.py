@@ -48,10 +48,6 @@ def test_kept_freed_memory_spares_the_page_faults_of_large_temporaries():
 
 
 def test_the_commands_that_plan_keep_freed_memory_and_the_others_do_not(tmp_path):
-    from testbed.cli import PLANNING_COMMANDS, build_parser
-
-    commands = set(build_parser()._subparsers._group_actions[0].choices)
-    assert PLANNING_COMMANDS <= commands and not {"device", "channel"} & PLANNING_COMMANDS
     probe = ("import contextlib, io, sys; from testbed import cli, heap\n"
              "with contextlib.redirect_stdout(io.StringIO()): rc = cli.main(sys.argv[1:])\n"
              "print(rc, heap._done)")

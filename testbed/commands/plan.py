@@ -96,6 +96,9 @@ def format_plan(d: dict) -> str:
 
 def run(args) -> int:
     from testbed.cli import CliError
+    from testbed.heap import keep_freed_memory
+
+    keep_freed_memory()  # the optimizer's large temporaries (`testbed.heap`)
     from testbed.commands.run import print_config
     from testbed.commands.simulate import plan_inputs  # profile resolution, flag checks and warnings
     from testbed.core.optimizer import OptimizerError, plan

@@ -208,6 +208,8 @@ def run(args) -> int:
 
     from testbed.cli import CliError, warn
     from testbed.config_override import fixed_length_notes, policy_list
+
+    keep_freed_memory()  # the serial sweep plans here (`testbed.heap`); workers call it themselves
     from testbed.core.optimizer import OptimizerError
     from testbed.core.scenario import ScenarioError
     from testbed.core.simulate import (

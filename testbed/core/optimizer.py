@@ -655,6 +655,7 @@ class Scorer:
         idx0 = self.offset[0] + L0 - 1
         new = ks * self.lmax + L0[ks]
         t_ver = self._verify_raised(L0, ks)
+        E = self._raised_tokens(L0, new)
 
         def top_without_k(base, raised):
             m1, m2 = (m[-1] for m in self._top2(base))
@@ -697,7 +698,6 @@ class Scorer:
                 else:
                     x_base = solve_x(wts, S0, R)
                     down = np.full(ks.size, 1.0 / (w * x_base))
-                    E = self._raised_tokens(L0, new)
                     if not exact and c.size > 1:
                         wsum = wts.sum()
                         per_bit = w * np.log1p(R / wsum) / LN2
@@ -724,8 +724,7 @@ class Scorer:
                         return g, T, np.broadcast_to(ul, Lc.shape), up
                     down[solve] = 1.0 / (w * x)
         T = up + t_ver + np.maximum(post_ul, down) + self.t_over
-        G = self._raised_tokens(L0, new) / T
-        return G, T, np.broadcast_to(ul, Lc.shape), up
+        return E / T, T, np.broadcast_to(ul, Lc.shape), up
 
 
 def _best_first(rows, T_lo, bound, exact, rounds: int = 3):

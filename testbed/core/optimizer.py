@@ -183,7 +183,7 @@ class Scorer:
         else:
             wts = np.where(dl, self.inv_g, 0.0)
             R = sc.downlink_power_w / (self.n0 * w)
-            keep = slice(None)
+            keep = nd > 0  # a row without DL devices has no DL phase to solve
             if floor is not None and self.sync and self.nv > 1:
                 wsum = wts.sum(-1)
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -191,15 +191,16 @@ class Scorer:
                 T_lo = (up_k.max(-1) + t_ver + np.where(ul, f["post_u"][idx], tau[:, None]).max(-1)
                         + self.t_over)
                 hopeless = E.sum(-1) / T_lo * (1 + 1e-9) < floor
-                keep = ~hopeless
+                keep &= ~hopeless
             else:
                 tau = np.zeros(L.shape[0])
-            if self.grouped:
-                x = solve_x(self._group(wts[keep], f["vidx"][idx][keep]), self.values, R[keep])
-            else:
-                x = solve_x(wts[keep], S[keep], R[keep])
-            with np.errstate(divide="ignore"):
-                tau[keep] = np.where(nd[keep] > 0, 1.0 / (w[keep] * x), 0.0)
+            if keep.any():
+                if self.grouped:
+                    x = solve_x(self._group(wts[keep], f["vidx"][idx][keep]), self.values, R[keep])
+                else:
+                    x = solve_x(wts[keep], S[keep], R[keep])
+                with np.errstate(divide="ignore"):
+                    tau[keep] = 1.0 / (w[keep] * x)
         post_k = np.where(ul, f["post_u"][idx], own if own is not None else tau[:, None])
         T = up_k.max(-1) + t_ver + post_k.max(-1) + self.t_over
         G = self._goodput(E, up_k, post_k, t_ver, T)
@@ -557,8 +558,7 @@ class Scorer:
         guesses = np.clip(np.stack([np.full(C, kb - 1), np.full(C, kb), np.full(C, kb + 1), cand["i"],
                                     cand["i"] + 1, cand["j"], cand["j"] + 1]), 0, n)
         gc = np.tile(np.arange(C), guesses.shape[0])
-        ub = np.full(C, np.inf)
-        np.minimum.at(ub, gc, self._pairs_T(b, cand, gc, guesses.ravel())[1])
+        ub = self._pairs_T(b, cand, gc, guesses.ravel())[1].reshape(guesses.shape).min(axis=0)  # guess-major
         # every K whose lower bound does not exceed it (a margin for rounding)
         theta = ub * (1 + 1e-9) - (cand["t_ver"] - b["t_ver"])
         i, j = cand["i"], cand["j"]
@@ -995,20 +995,24 @@ def _multistart(s: Scorer, fixed_scorer) -> np.ndarray:
     result is never below the all-UL, all-DL, common-length or fixed-length baselines."""
     n, lmax = s.n, s.sc.max_draft_len
     common = np.repeat(np.arange(1, lmax + 1)[:, None], n, axis=1)
-    starts = [greedy(s, s.prefix, fill=True), common[int(np.argmax(s.prefix(common)[0]))]]
-    best = s.prefix(np.array(starts))[0].max()
-    ones = np.ones((1, n), int)
+    first = greedy(s, s.prefix, fill=True)
+    G = s.prefix(np.vstack([first[None], common]))[0]  # each start is scored once
+    starts, scores = [first, common[int(np.argmax(G[1:]))]], [G[0], G[1:].max()]
+    ul_starts = np.array([np.zeros(n, bool), np.ones(n, bool)])
+    # Every phase grows with L, so sum E(L_max) / T(L = 1) bounds what a fixed-modes start can reach
+    # (synchronous rounds); skip a start that cannot beat what is already in hand.
+    T_ones = s.fixed(np.ones((2, n), int), ul_starts)[1]
     e_max = s.tb.expected_tokens[:, -1].sum()
-    for ul in (np.zeros(n, bool), np.ones(n, bool)):
-        # Every phase grows with L, so sum E(L_max) / T(L = 1) bounds what this start can reach
-        # (synchronous rounds); skip a start that cannot beat what is already in hand.
-        if s.sc.rounds == "synchronous" and e_max / s.fixed(ones, ul[None])[1][0] <= best:
+    for ul, t_ones in zip(ul_starts, T_ones):
+        if s.sc.rounds == "synchronous" and e_max / t_ones <= max(scores):
             continue
         L = greedy(s, fixed_scorer(ul), fill=True)
         starts.append(L)
-        best = max(best, s.prefix(L[None])[0][0])
-    G, _, _ = s.prefix(np.array(starts))
-    return greedy(s, s.prefix, fill=True, start=starts[int(np.argmax(G))])
+        scores.append(s.prefix(L[None])[0][0])
+    best = int(np.argmax(scores))
+    if best == 0:  # the first start is where this same greedy stopped: continuing from it adds nothing
+        return first
+    return greedy(s, s.prefix, fill=True, start=starts[best])
 
 
 class BuiltinPolicy:

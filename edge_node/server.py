@@ -767,8 +767,7 @@ class EdgeServer:
             self._next_plan = self._fresh_plan(cur.index + 1, names)
             cur.plan_descheduled_s = max(0.0, (time.monotonic() - wall) - (time.thread_time() - cpu))
             present = self._collect_drafts(cur)
-            outcomes, verify_s = self._verify_and_reply(cur, present)
-            self._ahead = self._schedule_ahead(cur, outcomes)
+            outcomes, verify_s = self._verify_and_reply(cur, present)  # and perhaps the next round's schedules
             try:
                 t_end = self._collect_reports(cur, outcomes)
             finally:
@@ -880,15 +879,21 @@ class EdgeServer:
         and the verification time (None when no draft came)."""
         if not present:
             return {}, None
-        outcomes, verify_s, _ = self.verify_batch({n: cur for n in present})
+
+        def after_verdicts(outcomes):
+            self._ahead = self._schedule_ahead(cur, outcomes)
+
+        outcomes, verify_s, _ = self.verify_batch({n: cur for n in present}, after_verdicts=after_verdicts)
         return outcomes, verify_s
 
-    def verify_batch(self, rounds: dict[str, RoundInFlight], before_verdicts=None
+    def verify_batch(self, rounds: dict[str, RoundInFlight], before_verdicts=None, after_verdicts=None
                      ) -> tuple[dict[str, DeviceOutcome], float, float]:
         """ONE batched forward over the drafts of `rounds` (device -> its round in flight; asynchronous rounds
-        mix cycles), `before_verdicts()` if given, then each device's verdict. A draft that cannot be verified
-        costs its device the session, not the others their round. Returns the outcomes, the verification
-        time and when it started. Both round loops verify so."""
+        mix cycles), `before_verdicts()` if given, then each device's verdict, `after_verdicts(outcomes)` if
+        given (the next round's schedules: before the estimates are fed, which the devices need not wait
+        for), then the estimates. A draft that cannot be verified costs its device the session, not the others
+        their round. Returns the outcomes, the verification time and when it started. Both round loops verify
+        so."""
         names = list(rounds)
         items = [(self.sessions[n].sid, list(self.sessions[n].pending), rounds[n].drafts[n].draft.tokens.tolist())
                  for n in names]
@@ -907,8 +912,10 @@ class EdgeServer:
                 log.warning("%s: its draft of round %d could not be verified (%s: %s)", name, cur.index,
                             type(exc).__name__, P.show(str(exc), 200))
                 self._drop_session(name, "its draft could not be verified")
-                continue
-            self._observe(cur, name, outcomes[name])
+        if after_verdicts is not None:
+            after_verdicts(outcomes)
+        for name, o in outcomes.items():
+            self._observe(rounds[name], name, o)
         return outcomes, verify_s, tv
 
     def _decide(self, cur: RoundInFlight, name: str, logits: np.ndarray) -> DeviceOutcome:

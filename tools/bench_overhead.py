@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="alternating repetitions (the median is reported)")
     ap.add_argument("--curve", choices=["off", "on", "both"], default="off",
                     help="CURVE on the edge socket (tcp loopback); both: plain and CURVE side by side")
+    ap.add_argument("--busy-poll", choices=["auto", "on", "off"], default="auto",
+                    help="the live run's busy_poll setting (default auto, as multispin run)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -115,6 +117,7 @@ def main(argv=None) -> int:
         "model": {"pair": "local", "target": str(paths.target_dir), "draft_onnx": str(paths.draft_onnx),
                   "tokenizer": str(paths.tokenizer), "threads": args.threads, "device": args.device},
         "channel": {"mode": "passthrough"}, "pin": {"mode": args.mode, "draft_len": args.draft_len},
+        "busy_poll": args.busy_poll,
         "estimator": {"fit_verify_after": 0},
         "scenario": {"bits_per_prob": 16, "max_draft_len": max(8, args.draft_len),
                      "devices": [{"name": "d0", "distance_m": 100, "draft_time_s": 0.001, "acceptance": 0.65}]},

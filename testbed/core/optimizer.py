@@ -987,6 +987,28 @@ def _exhaustive(sc: Scenario, s: Scorer, limit: int):
     return best[1], best[2]
 
 
+def _fixed_bound(s: Scorer, t_ones: float) -> float:
+    """An upper bound of the goodput of any schedule under fixed modes whose round time at L = 1 is t_ones
+    (synchronous rounds). Every phase grows with L (`Scorer.monotone`; else sum E(L_max) / t_ones), so a
+    schedule of S more draft positions than L = 1 takes at least t_ones plus the verification those add, and
+    its expected tokens are at most E(1) plus the S largest single-step gains of the table (or, padded, each
+    device's E at the longest L)."""
+    E = s.tb.expected_tokens
+    if not s.monotone:
+        return float(E[:, -1].sum() / t_ones)
+    n, lmax = E.shape
+    if s.sc.verify_batch == "ragged":
+        gains = np.sort(np.diff(E, axis=1).ravel())[::-1]
+        tokens = E[:, 0].sum() + np.concatenate([[0.0], np.cumsum(gains)])
+        extra = model.verify_time_of(s.sc, np.arange(tokens.size) + 2.0 * n, None, n)
+    else:
+        tokens = E.sum(axis=0)  # the longest L is m: no device beyond E(m)
+        extra = model.verify_time_of(s.sc, None, np.arange(1, lmax + 1), n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = tokens / (t_ones + extra - extra[0]) * (1 + 1e-9)  # the margin covers rounding
+    return float(np.nanmax(bound))
+
+
 def _multistart(s: Scorer, fixed_scorer) -> np.ndarray:
     """Greedy with fill is path dependent: from L = 1 the cheap short UL uploads look best, and the
     region of long drafts over a shared DL is not reached one device at a time. So start it from
@@ -999,13 +1021,10 @@ def _multistart(s: Scorer, fixed_scorer) -> np.ndarray:
     G = s.prefix(np.vstack([first[None], common]))[0]  # each start is scored once
     starts, scores = [first, common[int(np.argmax(G[1:]))]], [G[0], G[1:].max()]
     ul_starts = np.array([np.zeros(n, bool), np.ones(n, bool)])
-    # Every phase grows with L, so sum E(L_max) / T(L = 1) bounds what a fixed-modes start can reach
-    # (synchronous rounds); skip a start that cannot beat what is already in hand.
     T_ones = s.fixed(np.ones((2, n), int), ul_starts)[1]
-    e_max = s.tb.expected_tokens[:, -1].sum()
     for ul, t_ones in zip(ul_starts, T_ones):
-        if s.sc.rounds == "synchronous" and e_max / t_ones <= max(scores):
-            continue
+        if s.sc.rounds == "synchronous" and _fixed_bound(s, t_ones) <= max(scores):
+            continue  # a start that cannot beat what is already in hand
         L = greedy(s, fixed_scorer(ul), fill=True)
         starts.append(L)
         scores.append(s.prefix(L[None])[0][0])

@@ -158,7 +158,7 @@ class ArrivedDraft:
     draft: M.Draft
     nbytes: int           # bytes of the message's frames: the record's ul_bytes when no emulator annotates it
     waited: bool = False  # it was queued while the edge was busy: t_arrival is late
-    handled_s: float = 0.0  # the edge's handling of it (decode, checks), for the virtual clock's queue
+    handled_s: float = 0.0  # the edge's handling of it (decode, checks: its thread's CPU time), for the virtual queue
 
 
 @dataclass
@@ -182,6 +182,7 @@ class RoundInFlight:
     # Of the next round's planning during the drafting, the time this thread did not run (a shared host's
     # other processes did): no work of the edge's, so the virtual clock takes it out.
     plan_descheduled_s: float = 0.0
+    reply_descheduled_s: float = 0.0  # the same of the verdicts' work, from verification done to reports awaited
     t_reports_from: float | None = None
     reports_waited: set[str] = field(default_factory=set)   # reports queued while the edge was busy
     draws: dict[str, RoundRandomness] = field(default_factory=dict)  # name -> its draws, made while it drafts
@@ -256,6 +257,7 @@ class EdgeServer:
         self._reporting: RoundInFlight | None = None  # the round whose reports come in while `_ahead` drafts
         self._rounds_end = 0  # `run`'s last round + 1: nothing is scheduled ahead past it
         self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
+        self._dispatch_cpu = self._verified_cpu = 0.0  # this thread's CPU clock at a message's / a reply's start
         self.refused = 0
         self.refusals: Counter[str] = Counter()   # reason -> refused messages
         self.device_errors: dict[str, str] = {}  # name -> why the device said it cannot take part
@@ -270,8 +272,9 @@ class EdgeServer:
         self.round_index = 0
         self._free_since = 0.0  # edge clock: when the edge last became free to read a message
         # Virtual clock: the measured transport outside the air time (arrival - its lower bound), per message
-        # kind and mode, from messages read while the edge was idle; it places the ones that had to wait.
-        self._transport: dict[tuple[str, str], deque[float]] = {}
+        # kind and mode (and device, for devices sharing a process: `_arrival`), from messages read while the
+        # edge was idle; it places the ones that had to wait.
+        self._transport: dict[tuple, deque[float]] = {}
         # A real link (no emulator): estimate each device's UL and DL rate from what this edge measures, and
         # let the controller plan with them (`testbed.link_estimate`).
         self.links = LinkEstimator() if measure_links else None
@@ -351,6 +354,7 @@ class EdgeServer:
     # -- one message -----------------------------------------------------------------------------
     def _dispatch(self, frames: list, t_arr: float) -> None:
         """Handle one message; whatever fails costs this message only (an error reply, one log line)."""
+        self._dispatch_cpu = time.thread_time()
         ident = frames[0].bytes
         if self.limiter is not None and not self.limiter.allow(ident, t_arr):
             # Before anything is decoded, and unanswered: a flood costs a receive and this check. A device's
@@ -628,7 +632,9 @@ class EdgeServer:
             cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
             raise
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
-        cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=time.monotonic() - t_arr)
+        # CPU time: on a host shared with emulated devices the wall clock also counts their work
+        handled_s = min(time.monotonic() - t_arr, time.thread_time() - self._dispatch_cpu)
+        cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=handled_s)
 
     def _parse_draft(self, s: Session, slot: DevicePlan, header: dict, arrays: dict, via_channel: bool) -> M.Draft:
         d = M.parse_draft(header, arrays, mode=slot.mode, draft_len=slot.draft_len, vocab_size=self.vocab,
@@ -883,7 +889,9 @@ class EdgeServer:
         def after_verdicts(outcomes):
             self._ahead = self._schedule_ahead(cur, outcomes)
 
-        outcomes, verify_s, _ = self.verify_batch({n: cur for n in present}, after_verdicts=after_verdicts)
+        outcomes, verify_s, tv = self.verify_batch({n: cur for n in present}, after_verdicts=after_verdicts)
+        wall, cpu = time.monotonic() - tv - verify_s, time.thread_time() - self._verified_cpu
+        cur.reply_descheduled_s = max(0.0, wall - cpu)
         return outcomes, verify_s
 
     def verify_batch(self, rounds: dict[str, RoundInFlight], before_verdicts=None, after_verdicts=None
@@ -900,6 +908,7 @@ class EdgeServer:
         tv = time.monotonic()
         logits = self.verifier.verify(items)
         verify_s = time.monotonic() - tv
+        self._verified_cpu = time.thread_time()
         self.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names), verify_s)
         if before_verdicts is not None:
             before_verdicts()
@@ -1056,37 +1065,60 @@ class EdgeServer:
         """The round on the virtual clock (`controller.virtual_round`) from this round's edge-clock stamps.
         A message that had to wait while the edge was busy is placed at its lower bound (the device's drafting
         time; the verdict plus the device's correction) plus the transport measured on messages that did not
-        wait; those feed the transport estimate."""
+        wait; those feed the transport estimate (`_arrival`)."""
         t0 = cur.t0
         drafts, reports = {}, {}
+        least: dict[tuple, float] = {}  # this round's least transport of hosted devices, per kind
         for name, o in outcomes.items():
             arrived, mode = cur.drafts.get(name), cur.schedule[name].mode
             if arrived is None:
                 continue
             low = o.timings.get("draft_s") or 0.0
             drafts[name] = self._arrival(("draft", mode), arrived.t_arrival - t0, arrived.waited, low,
-                                         air_time(o.ul_channel) or 0.0, o.timings.get("host_wait_s") or 0.0,
-                                         arrived.handled_s)
+                                         air_time(o.ul_channel) or 0.0, o.timings.get("host_wait_s"),
+                                         arrived.handled_s, least)
             if name in cur.reports:
                 t_report, rep = cur.reports[name]
                 low = o.t_verdict - t0 + (o.correction_s or 0.0)
                 reports[name] = self._arrival(("report", mode), t_report - t0, name in cur.reports_waited, low,
-                                              air_time(o.dl_channel) or 0.0, rep.timings.get("host_wait_s") or 0.0)
+                                              air_time(o.dl_channel) or 0.0, rep.timings.get("host_wait_s"),
+                                              least=least)
+        self._remember_least(least)
         return virtual_round(drafts, reports, drafts_from_s=cur.t_drafts_from - t0 - cur.plan_descheduled_s,
                              drafts_closed_s=cur.t_drafts_closed - t0,
-                             reports_from_s=None if cur.t_reports_from is None else cur.t_reports_from - t0,
+                             reports_from_s=None if cur.t_reports_from is None
+                             else cur.t_reports_from - t0 - cur.reply_descheduled_s,
                              end_s=t_end - t0, all_drafts=len(drafts) == len(cur.schedule),
                              all_reports=bool(outcomes) and len(reports) == len(outcomes))
 
+    def _remember_least(self, least: dict[tuple, float]) -> None:
+        """A round's least transport of hosted devices per kind, kept for the next 20 rounds (`_arrival`)."""
+        for kind, t in least.items():
+            self._transport.setdefault(("hosted", *kind), deque(maxlen=20)).append(t)
+
     def _arrival(self, kind: tuple[str, str], at_s: float, waited: bool, low_s: float, air_s: float,
-                 host_wait_s: float = 0.0, handled_s: float = 0.0) -> Arrival:
+                 host_wait_s: float | None = None, handled_s: float = 0.0, least: dict | None = None) -> Arrival:
+        """kind: (message, mode). The transport is estimated per kind from the last 20 messages that did not
+        wait (their median). `host_wait_s` None: a device with a process of its own. A device that shares one
+        (it reports its wait for the others) shares the machine with the other hosts too: the system runs
+        its thread when it can, which no device measures, so its stamp is an upper bound, and the estimate
+        (its own time plus the least transport of any hosted device in the last 20 rounds, `least` holding
+        this round's so far) is used where lower."""
+        hosted = host_wait_s is not None
         # A device's claim of its host's wait never puts its message before its own lower bound.
-        host_wait_s = min(host_wait_s, max(0.0, at_s - low_s))
-        obs = self._transport.setdefault(kind, deque(maxlen=20))
-        if not waited and at_s - host_wait_s >= low_s:
-            obs.append(at_s - host_wait_s - low_s)
-        transport = float(np.median(obs)) if obs else 0.0
-        return Arrival(at_s=at_s, waited=waited, earliest_s=low_s + transport, air_s=air_s,
+        host_wait_s = min(host_wait_s or 0.0, max(0.0, at_s - low_s))
+        seen = None if waited or at_s - host_wait_s < low_s else at_s - host_wait_s - low_s
+        if hosted:
+            if seen is not None and least is not None:
+                least[kind] = min(least.get(kind, seen), seen)
+            past = [*self._transport.get(("hosted", *kind), ()), *([least[kind]] if least and kind in least else [])]
+            transport = min(past) if past else 0.0
+        else:
+            obs = self._transport.setdefault(kind, deque(maxlen=20))
+            if seen is not None:
+                obs.append(seen)
+            transport = float(np.median(obs)) if obs else 0.0
+        return Arrival(at_s=at_s, waited=waited or hosted, earliest_s=low_s + transport, air_s=air_s,
                        host_wait_s=host_wait_s, handled_s=handled_s)
 
     # -- the whole run ---------------------------------------------------------------------------

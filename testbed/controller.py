@@ -412,7 +412,9 @@ class Arrival:
     """One message's arrival at the edge, for the virtual clock; times in s since the schedules went out."""
 
     at_s: float          # when the edge handled it: late by as long as the edge was busy with other work
-    waited: bool         # it was already queued when the edge became free, so at_s is only an upper bound
+    # at_s is only an upper bound: it was already queued when the edge became free, or its device shares a
+    # busy host (`EdgeServer._arrival`)
+    waited: bool
     earliest_s: float    # the estimate to use then (the device's drafting time + the measured transport)
     air_s: float         # the air time (queueing and base latency included) the emulator annotated
     # What a device sharing its process with others (`devices_per_process`) measured of its wait for them,

@@ -124,6 +124,63 @@ def test_a_hosted_devices_wait_for_the_gate_is_reported_not_drafted(micro_pair, 
         edge.close()
 
 
+class _Descheduled:
+    """A drafter that, while drafting, is off the CPU for OFF_S (as a thread the system does not run):
+    its wall time grows, its CPU time does not."""
+
+    OFF_S = 0.25
+
+    def __init__(self, drafter):
+        self.inner = drafter
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, *args, **kwargs):
+        time.sleep(self.OFF_S)
+        return self.inner.draft(*args, **kwargs)
+
+
+@pytest.mark.parametrize("hosted", [True, False])
+def test_a_hosted_devices_drafting_time_is_its_cpu_time(micro_pair, tmp_path, hosted):
+    # On a shared host the system runs the other devices' threads (and the other hosts) while one drafts:
+    # the wall clock counts that, the thread's CPU clock does not. A hosted device reports the CPU time as
+    # its compute (x its hardware's scale); a device with a process of its own reports the wall time.
+    from test_device_faults import NAME, FakeEdge
+
+    from device_node.drafter import OnnxDrafter
+    from device_node.hardware import load_hardware
+    from device_node.node import DeviceNode
+
+    edge = FakeEdge(f"ipc://{tmp_path}/edge")
+    laptop = load_hardware("laptop")  # compute_scale 1.5
+    node = DeviceNode(edge.sock.getsockopt_string(zmq.LAST_ENDPOINT), NAME,
+                      _Descheduled(OnnxDrafter(micro_pair.draft_onnx)), laptop, register_timeout_s=20,
+                      idle_timeout_s=20, gate=Gate() if hosted else OPEN)
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("rc", node.run()), daemon=True)
+    th.start()
+    try:
+        edge.register()
+        edge.send(M.schedule(0, "UL", 2, 0.2, 0.0, 5.0))
+        h, _ = edge.recv(skip=(P.HEARTBEAT, P.TX_START))
+        t = h["timings"]
+        assert h["type"] == "draft" and t["compute_scale"] == 1.5
+        if hosted:
+            assert t["compute_s"] < _Descheduled.OFF_S / 2, t  # two tokens of the micro pair: milliseconds
+            assert t["emulated_extra_s"] == pytest.approx(0.5 * t["compute_s"])
+            assert t["draft_s"] == pytest.approx(t["compute_s"] + t["emulated_extra_s"])
+        else:
+            assert t["compute_s"] >= _Descheduled.OFF_S, t
+            assert t["draft_s"] >= t["compute_s"] + t["emulated_extra_s"]
+        edge.send(M.done("test over"))
+        th.join(20)
+        assert result.get("rc") == ExitCode.OK
+    finally:
+        node.close()
+        edge.close()
+
+
 def test_a_dead_host_is_reported_for_each_of_its_devices(micro_pair, tmp_path):
     run_dir = tmp_path / "run"
 

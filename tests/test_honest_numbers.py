@@ -142,6 +142,32 @@ def test_virtual_round_takes_out_a_shared_hosts_wait_and_queues_the_edges_handli
     assert v["round_s"] == pytest.approx(0.001 + (0.045 - 0.015 + 0.002) + 0.001)
 
 
+def test_a_hosted_devices_late_stamp_is_an_upper_bound_of_its_arrival():
+    # A device with a process of its own: its stamp is when it sent (30 ms after its 20 ms of drafting).
+    # Devices sharing a process also share the machine with the other hosts: the system ran them late,
+    # which none of them measures. Their stamps are upper bounds; each is placed at its own drafting time
+    # plus the least transport any hosted device showed (this round so far, then the last 20 rounds).
+    from types import SimpleNamespace
+
+    from edge_node.server import EdgeServer
+
+    edge = SimpleNamespace(_transport={})
+    arrival = lambda *a, **k: EdgeServer._arrival(edge, ("draft", "UL"), *a, **k)
+    own = arrival(0.050, False, 0.020, 0.001)
+    assert own.sent_at_s() == pytest.approx(0.050)
+    least: dict = {}
+    first = arrival(0.021, False, 0.020, 0.001, 0.0, least=least)  # the least hosted transport: 1 ms
+    late = arrival(0.500, False, 0.030, 0.001, 0.100, least=least)  # 100 ms of it waiting for its host
+    assert first.sent_at_s() == pytest.approx(0.021) and late.sent_at_s() == pytest.approx(0.031)
+    assert least == {("draft", "UL"): pytest.approx(0.001)}
+    # Own-process devices keep their own estimate (the median of theirs, 30 ms), untouched by hosted ones.
+    assert arrival(0.2, True, 0.010, 0.001).sent_at_s() == pytest.approx(0.040)
+    # The next round: the least of the last rounds places a device whose every stamp came late.
+    EdgeServer._remember_least(edge, least)
+    nxt = arrival(0.400, False, 0.025, 0.001, 0.0, least={})
+    assert nxt.sent_at_s() == pytest.approx(0.026)
+
+
 def test_virtual_queues_restart_at_every_configure(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_channel_proxy import Bench

@@ -6,6 +6,7 @@ its pid."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -76,31 +77,46 @@ def test_hosted_devices_draft_the_same_tokens_in_fewer_processes(micro_pair, tmp
         assert all(w is not None and w >= 0 for w in waits)
 
 
-def test_a_hosted_devices_wait_for_the_gate_is_reported_not_drafted(micro_pair, tmp_path):
-    # A real device node on a shared gate, in this process, against a fake edge: while another device of the
-    # process holds the gate for HOLD_S, a schedule and then a verdict arrive. Both waits are reported as
-    # host_wait_s and neither is counted as drafting or correction.
+@contextlib.contextmanager
+def _node_on_a_fake_edge(pair, tmp_path, gate, drafter=None, hardware=None):
+    """A real device node in a thread of this process, registered with a fake edge (a ROUTER); yields the
+    edge. The test's last message is `done`: the node must then end with 0."""
     from test_device_faults import NAME, FakeEdge
 
     from device_node.drafter import OnnxDrafter
     from device_node.node import DeviceNode
 
-    HOLD_S = 0.2
     edge = FakeEdge(f"ipc://{tmp_path}/edge")
-    gate = Gate()
-    node = DeviceNode(edge.sock.getsockopt_string(zmq.LAST_ENDPOINT), NAME, OnnxDrafter(micro_pair.draft_onnx),
-                      register_timeout_s=20, idle_timeout_s=20, gate=gate)
+    node = DeviceNode(edge.sock.getsockopt_string(zmq.LAST_ENDPOINT), NAME,
+                      drafter or OnnxDrafter(pair.draft_onnx), hardware, register_timeout_s=20, idle_timeout_s=20,
+                      gate=gate)
     result = {}
     th = threading.Thread(target=lambda: result.setdefault("rc", node.run()), daemon=True)
     th.start()
+    try:
+        edge.register()
+        yield edge
+        edge.send(M.done("test over"))
+        th.join(20)
+        assert result.get("rc") == ExitCode.OK
+    finally:
+        node.close()
+        edge.close()
+
+
+def test_a_hosted_devices_wait_for_the_gate_is_reported_not_drafted(micro_pair, tmp_path):
+    # A real device node on a shared gate, in this process, against a fake edge: while another device of the
+    # process holds the gate for HOLD_S, a schedule and then a verdict arrive. Both waits are reported as
+    # host_wait_s and neither is counted as drafting or correction.
+    HOLD_S = 0.2
+    gate = Gate()
 
     def held_while(send):  # the other device's work: HOLD_S with the gate, during which `send` happens
         with gate:
             send()
             time.sleep(HOLD_S)
 
-    try:
-        edge.register()
+    with _node_on_a_fake_edge(micro_pair, tmp_path, gate) as edge:
         held_while(lambda: edge.send(M.schedule(0, "UL", 2, 0.2, 0.0, 5.0)))
         h, a = edge.recv(skip=(P.HEARTBEAT, P.TX_START))
         assert h["type"] == "draft"
@@ -116,12 +132,6 @@ def test_a_hosted_devices_wait_for_the_gate_is_reported_not_drafted(micro_pair, 
         edge.send(M.schedule(1, "UL", 2, 0.2, 0.0, 5.0))
         h, _ = edge.recv(skip=(P.HEARTBEAT, P.TX_START))
         assert h["type"] == "draft" and h["timings"]["host_wait_s"] < HOLD_S / 2
-        edge.send(M.done("test over"))
-        th.join(20)
-        assert result.get("rc") == ExitCode.OK
-    finally:
-        node.close()
-        edge.close()
 
 
 class _Descheduled:
@@ -146,22 +156,12 @@ def test_a_hosted_devices_drafting_time_is_its_cpu_time(micro_pair, tmp_path, ho
     # On a shared host the system runs the other devices' threads (and the other hosts) while one drafts:
     # the wall clock counts that, the thread's CPU clock does not. A hosted device reports the CPU time as
     # its compute (x its hardware's scale); a device with a process of its own reports the wall time.
-    from test_device_faults import NAME, FakeEdge
-
     from device_node.drafter import OnnxDrafter
     from device_node.hardware import load_hardware
-    from device_node.node import DeviceNode
 
-    edge = FakeEdge(f"ipc://{tmp_path}/edge")
-    laptop = load_hardware("laptop")  # compute_scale 1.5
-    node = DeviceNode(edge.sock.getsockopt_string(zmq.LAST_ENDPOINT), NAME,
-                      _Descheduled(OnnxDrafter(micro_pair.draft_onnx)), laptop, register_timeout_s=20,
-                      idle_timeout_s=20, gate=Gate() if hosted else OPEN)
-    result = {}
-    th = threading.Thread(target=lambda: result.setdefault("rc", node.run()), daemon=True)
-    th.start()
-    try:
-        edge.register()
+    drafter = _Descheduled(OnnxDrafter(micro_pair.draft_onnx))
+    with _node_on_a_fake_edge(micro_pair, tmp_path, Gate() if hosted else OPEN, drafter,
+                              load_hardware("laptop")) as edge:  # laptop: compute_scale 1.5
         edge.send(M.schedule(0, "UL", 2, 0.2, 0.0, 5.0))
         h, _ = edge.recv(skip=(P.HEARTBEAT, P.TX_START))
         t = h["timings"]
@@ -173,12 +173,6 @@ def test_a_hosted_devices_drafting_time_is_its_cpu_time(micro_pair, tmp_path, ho
         else:
             assert t["compute_s"] >= _Descheduled.OFF_S, t
             assert t["draft_s"] >= t["compute_s"] + t["emulated_extra_s"]
-        edge.send(M.done("test over"))
-        th.join(20)
-        assert result.get("rc") == ExitCode.OK
-    finally:
-        node.close()
-        edge.close()
 
 
 def test_a_dead_host_is_reported_for_each_of_its_devices(micro_pair, tmp_path):

@@ -361,7 +361,7 @@ class DeviceNode:
         self.pending = (sched, draft)  # q float64: never rounded again
         timings = {"draft_s": draft_s, "compute_s": compute_s, "emulated_extra_s": extra_s,
                    "compute_scale": self.hardware.compute_scale}
-        if self.gate is not OPEN:  # a shared host: its waits are no device's time (the virtual clock drops them)
+        if hosted:  # a shared host: its waits are no device's time (the virtual clock drops them)
             timings["host_wait_s"] = self._gate_wait_s + regate_s
         frames = M.draft(sched.round, sched.mode, draft.tokens, draft.q, q_wire=draft.wire,
                          last_token=self.committed[-1], bits_per_prob=self.bits, on_air_vocab=self.on_air,

@@ -192,8 +192,8 @@ class AsyncRounds:
             srv.cycles[name].closed = True  # past its drafting phase: a second draft is discarded
             srv.sessions[name].misses = 0
         shared: list[str] = []  # the DL is split among the verdicts in flight before this batch's go out
-        outcomes, verify_s, tv = srv.verify_batch({n: srv.cycles[n] for n in batch},
-                                                  before_verdicts=lambda: shared.extend(self._share_dl(batch)))
+        outcomes, verify_s, tv, _ = srv.verify_batch({n: srv.cycles[n] for n in batch},
+                                                     before_verdicts=lambda: shared.extend(self._share_dl(batch)))
         for name, o in outcomes.items():
             cur, c = srv.cycles[name], self.open[name]
             arrived = cur.drafts[name]

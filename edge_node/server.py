@@ -161,6 +161,17 @@ class ArrivedDraft:
     handled_s: float = 0.0  # the edge's handling of it (decode, checks: its thread's CPU time), for the virtual queue
 
 
+class ThreadClock:
+    """This thread's wall and CPU clocks from when it was made: of the span since, how long the thread did not
+    run (a host shared with emulated devices gave them the cores). The virtual clock counts only the rest."""
+
+    def __init__(self):
+        self.wall0, self.cpu0 = time.monotonic(), time.thread_time()
+
+    def descheduled_s(self) -> float:
+        return max(0.0, (time.monotonic() - self.wall0) - (time.thread_time() - self.cpu0))
+
+
 @dataclass
 class RoundInFlight:
     """The round the edge is serving: its plan, each device's schedule, and what came back so far."""
@@ -257,7 +268,7 @@ class EdgeServer:
         self._reporting: RoundInFlight | None = None  # the round whose reports come in while `_ahead` drafts
         self._rounds_end = 0  # `run`'s last round + 1: nothing is scheduled ahead past it
         self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
-        self._dispatch_cpu = self._verified_cpu = 0.0  # this thread's CPU clock at a message's / a reply's start
+        self._dispatch_clock = ThreadClock()  # restarted for each message (a draft's `handled_s`)
         self.refused = 0
         self.refusals: Counter[str] = Counter()   # reason -> refused messages
         self.device_errors: dict[str, str] = {}  # name -> why the device said it cannot take part
@@ -272,9 +283,10 @@ class EdgeServer:
         self.round_index = 0
         self._free_since = 0.0  # edge clock: when the edge last became free to read a message
         # Virtual clock: the measured transport outside the air time (arrival - its lower bound), per message
-        # kind and mode (and device, for devices sharing a process: `_arrival`), from messages read while the
-        # edge was idle; it places the ones that had to wait.
-        self._transport: dict[tuple, deque[float]] = {}
+        # kind and mode, from messages read while the edge was idle; it places the ones that had to wait. For
+        # devices sharing a process: each round's least, per kind (`_arrival`).
+        self._transport: dict[tuple[str, str], deque[float]] = {}
+        self._hosted_least: dict[tuple[str, str], deque[float]] = {}
         # A real link (no emulator): estimate each device's UL and DL rate from what this edge measures, and
         # let the controller plan with them (`testbed.link_estimate`).
         self.links = LinkEstimator() if measure_links else None
@@ -354,7 +366,7 @@ class EdgeServer:
     # -- one message -----------------------------------------------------------------------------
     def _dispatch(self, frames: list, t_arr: float) -> None:
         """Handle one message; whatever fails costs this message only (an error reply, one log line)."""
-        self._dispatch_cpu = time.thread_time()
+        self._dispatch_clock = ThreadClock()
         ident = frames[0].bytes
         if self.limiter is not None and not self.limiter.allow(ident, t_arr):
             # Before anything is decoded, and unanswered: a flood costs a receive and this check. A device's
@@ -632,8 +644,7 @@ class EdgeServer:
             cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
             raise
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
-        # CPU time: on a host shared with emulated devices the wall clock also counts their work
-        handled_s = min(time.monotonic() - t_arr, time.thread_time() - self._dispatch_cpu)
+        handled_s = max(0.0, time.monotonic() - t_arr - self._dispatch_clock.descheduled_s())
         cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=handled_s)
 
     def _parse_draft(self, s: Session, slot: DevicePlan, header: dict, arrays: dict, via_channel: bool) -> M.Draft:
@@ -769,9 +780,9 @@ class EdgeServer:
         try:
             # While the devices draft: plan the next round (its estimates then lag one round, which costs
             # nothing measurable and keeps the optimizer off the critical path).
-            wall, cpu = time.monotonic(), time.thread_time()
+            planning = ThreadClock()
             self._next_plan = self._fresh_plan(cur.index + 1, names)
-            cur.plan_descheduled_s = max(0.0, (time.monotonic() - wall) - (time.thread_time() - cpu))
+            cur.plan_descheduled_s = planning.descheduled_s()
             present = self._collect_drafts(cur)
             outcomes, verify_s = self._verify_and_reply(cur, present)  # and perhaps the next round's schedules
             try:
@@ -889,26 +900,25 @@ class EdgeServer:
         def after_verdicts(outcomes):
             self._ahead = self._schedule_ahead(cur, outcomes)
 
-        outcomes, verify_s, tv = self.verify_batch({n: cur for n in present}, after_verdicts=after_verdicts)
-        wall, cpu = time.monotonic() - tv - verify_s, time.thread_time() - self._verified_cpu
-        cur.reply_descheduled_s = max(0.0, wall - cpu)
+        outcomes, verify_s, _, cur.reply_descheduled_s = self.verify_batch({n: cur for n in present},
+                                                                           after_verdicts=after_verdicts)
         return outcomes, verify_s
 
     def verify_batch(self, rounds: dict[str, RoundInFlight], before_verdicts=None, after_verdicts=None
-                     ) -> tuple[dict[str, DeviceOutcome], float, float]:
+                     ) -> tuple[dict[str, DeviceOutcome], float, float, float]:
         """ONE batched forward over the drafts of `rounds` (device -> its round in flight; asynchronous rounds
         mix cycles), `before_verdicts()` if given, then each device's verdict, `after_verdicts(outcomes)` if
         given (the next round's schedules: before the estimates are fed, which the devices need not wait
         for), then the estimates. A draft that cannot be verified costs its device the session, not the others
-        their round. Returns the outcomes, the verification time and when it started. Both round loops verify
-        so."""
+        their round. Returns the outcomes, the verification time, when it started, and of the time after it the
+        part this thread did not run (`ThreadClock`). Both round loops verify so."""
         names = list(rounds)
         items = [(self.sessions[n].sid, list(self.sessions[n].pending), rounds[n].drafts[n].draft.tokens.tolist())
                  for n in names]
         tv = time.monotonic()
         logits = self.verifier.verify(items)
         verify_s = time.monotonic() - tv
-        self._verified_cpu = time.thread_time()
+        replying = ThreadClock()
         self.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names), verify_s)
         if before_verdicts is not None:
             before_verdicts()
@@ -925,7 +935,7 @@ class EdgeServer:
             after_verdicts(outcomes)
         for name, o in outcomes.items():
             self._observe(rounds[name], name, o)
-        return outcomes, verify_s, tv
+        return outcomes, verify_s, tv, replying.descheduled_s()
 
     def _decide(self, cur: RoundInFlight, name: str, logits: np.ndarray) -> DeviceOutcome:
         """Accept/reject for one device and send the verdict: the token (bonus, or a UL-mode correction made
@@ -1094,7 +1104,7 @@ class EdgeServer:
     def _remember_least(self, least: dict[tuple, float]) -> None:
         """A round's least transport of hosted devices per kind, kept for the next 20 rounds (`_arrival`)."""
         for kind, t in least.items():
-            self._transport.setdefault(("hosted", *kind), deque(maxlen=20)).append(t)
+            self._hosted_least.setdefault(kind, deque(maxlen=20)).append(t)
 
     def _arrival(self, kind: tuple[str, str], at_s: float, waited: bool, low_s: float, air_s: float,
                  host_wait_s: float | None = None, handled_s: float = 0.0, least: dict | None = None) -> Arrival:
@@ -1109,10 +1119,11 @@ class EdgeServer:
         host_wait_s = min(host_wait_s or 0.0, max(0.0, at_s - low_s))
         seen = None if waited or at_s - host_wait_s < low_s else at_s - host_wait_s - low_s
         if hosted:
-            if seen is not None and least is not None:
+            least = {} if least is None else least
+            if seen is not None:
                 least[kind] = min(least.get(kind, seen), seen)
-            past = [*self._transport.get(("hosted", *kind), ()), *([least[kind]] if least and kind in least else [])]
-            transport = min(past) if past else 0.0
+            transport = min([*self._hosted_least.get(kind, ()), *([least[kind]] if kind in least else [])],
+                            default=0.0)
         else:
             obs = self._transport.setdefault(kind, deque(maxlen=20))
             if seen is not None:

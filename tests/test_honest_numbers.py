@@ -151,7 +151,7 @@ def test_a_hosted_devices_late_stamp_is_an_upper_bound_of_its_arrival():
 
     from edge_node.server import EdgeServer
 
-    edge = SimpleNamespace(_transport={})
+    edge = SimpleNamespace(_transport={}, _hosted_least={})
     arrival = lambda *a, **k: EdgeServer._arrival(edge, ("draft", "UL"), *a, **k)
     own = arrival(0.050, False, 0.020, 0.001)
     assert own.sent_at_s() == pytest.approx(0.050)

@@ -96,15 +96,15 @@ def format_plan(d: dict) -> str:
 
 def run(args) -> int:
     from testbed.cli import CliError
-    from testbed.heap import keep_freed_memory
-
-    keep_freed_memory()  # the optimizer's large temporaries (`testbed.heap`)
     from testbed.commands.run import print_config
     from testbed.commands.simulate import plan_inputs  # profile resolution, flag checks and warnings
     from testbed.core.optimizer import OptimizerError, plan
     from testbed.core.scenario import ScenarioError
+    from testbed.heap import keep_freed_memory
     from testbed.plugins import load_policy
     from testbed.records import json_text
+
+    keep_freed_memory()  # the optimizer's large temporaries (`testbed.heap`)
 
     if args.channel_rounds is not None:
         return channel_rounds(args)

@@ -208,8 +208,6 @@ def run(args) -> int:
 
     from testbed.cli import CliError, warn
     from testbed.config_override import fixed_length_notes, policy_list
-
-    keep_freed_memory()  # the serial sweep plans here (`testbed.heap`); workers call it themselves
     from testbed.core.optimizer import OptimizerError
     from testbed.core.scenario import ScenarioError
     from testbed.core.simulate import (
@@ -223,6 +221,7 @@ def run(args) -> int:
     from testbed.profile import load_plan_scenario
     from testbed.sim_plots import plot_sweep
 
+    keep_freed_memory()  # the serial sweep plans here (`testbed.heap`); workers call it themselves
     for flag, value in (("--rounds", args.rounds), ("--drops", args.drops)):
         if value < 1:
             raise CliError(f"{flag} {value}: must be >= 1")

@@ -191,7 +191,8 @@ def _wait_registered(server, names, timeout_s=10.0):
 def _rounds_without_dev1(ipc, started, behaviour, rounds, recorder=None):
     """`rounds` rounds of an honest dev0 beside a dev1 of `behaviour` that misses every one: each round goes on
     without dev1 at once, not at the 3 s deadline. The (closed) server and dev1."""
-    server = make_server(ipc, deadline_s=3.0, recorder=recorder)
+    # A wide liveness window: on a loaded host a 0.6 s silence is no fault this test is about
+    server = make_server(ipc, deadline_s=3.0, recorder=recorder, liveness=25)
     try:
         started(ipc, "dev0")
         dev1 = started(ipc, "dev1", behaviour=behaviour)

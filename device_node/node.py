@@ -367,6 +367,10 @@ class DeviceNode:
                          last_token=self.committed[-1], bits_per_prob=self.bits, on_air_vocab=self.on_air,
                          timings=timings, topk=sched.topk)
         self._send_air(frames, "ul")
+        # While the edge verifies: the next round's drafting generator (seeding one takes 0.1 ms, which would
+        # otherwise come between the verdict and the next draft).
+        self._ahead = (self.session, sched.round + 1,
+                       RoundRandomness(self.seed, self.name, sched.round + 1).draft_generator())
 
     def _on_verdict(self, header: dict, arrays: dict) -> None:
         if self.pending is None or header.get("round") != self.pending[0].round:
@@ -406,9 +410,6 @@ class DeviceNode:
         self.drafter.commit(v.n_accepted, token)
         self.committed.extend(draft.tokens[: v.n_accepted] + [token])
         self.rounds_done += 1
-        # While the edge closes the round: the next round's drafting generator (seeding one takes a while).
-        self._ahead = (self.session, sched.round + 1,
-                       RoundRandomness(self.seed, self.name, sched.round + 1).draft_generator())
 
     def _draft_generator(self, round_index: int):
         """Round `round_index`'s drafting generator: the one made ahead if it is for this round and session."""

@@ -782,6 +782,8 @@ class EdgeServer:
             # nothing measurable and keeps the optimizer off the critical path).
             planning = ThreadClock()
             self._next_plan = self._fresh_plan(cur.index + 1, names)
+            # The verification's random draws, made while the devices draft instead of after the verification.
+            cur.draws = {n: DrawsAhead(self.seed, n, cur.index, slot.draft_len) for n, slot in cur.schedule.items()}
             cur.plan_descheduled_s = planning.descheduled_s()
             present = self._collect_drafts(cur)
             outcomes, verify_s = self._verify_and_reply(cur, present)  # and perhaps the next round's schedules
@@ -832,15 +834,15 @@ class EdgeServer:
         names = sorted(outcomes)
         if (rp.round != cur.index + 1 or names != sorted(cur.schedule) or sorted(rp.devices) != names
                 or any(o.dl_payload != "token" for o in outcomes.values())
-                or any(self._has_all_tokens(self.sessions[n]) for n in names)):
+                or any(self._has_all_tokens(self.sessions[n], outcomes[n].tokens) for n in names)):
             return None
         self._next_plan, self._reporting = None, cur
         nxt = self._schedule(cur.index + 1, rp, plan_s)
         nxt.ahead = True
         return nxt
 
-    def _has_all_tokens(self, s: Session) -> bool:
-        return bool(self.max_new_tokens) and len(s.output_ids) >= self.max_new_tokens
+    def _has_all_tokens(self, s: Session, uncommitted: int = 0) -> bool:
+        return bool(self.max_new_tokens) and len(s.output_ids) + uncommitted >= self.max_new_tokens
 
     # schedule
     def _schedule(self, r: int, rp: RoundPlan, plan_s: float) -> RoundInFlight:
@@ -856,8 +858,6 @@ class EdgeServer:
         for name, slot in cur.schedule.items():
             self._send(name, M.schedule(r, slot.mode, slot.draft_len, slot.ul_power_w or 0.0,
                                         slot.dl_power_w or 0.0, self.deadline_s, topk=rp.topk))
-        # The verification's random draws, made while the devices draft instead of after the verification.
-        cur.draws = {n: DrawsAhead(self.seed, n, r, slot.draft_len) for n, slot in cur.schedule.items()}
         return cur
 
     # collect drafts
@@ -922,24 +922,35 @@ class EdgeServer:
         self.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names), verify_s)
         if before_verdicts is not None:
             before_verdicts()
-        outcomes = {}
+        outcomes, verdicts = {}, {}
         for name, lg in zip(names, logits):
+            try:
+                outcomes[name], verdicts[name] = self._decide(rounds[name], name, lg)
+            except Exception as exc:  # one device's data must not cost the others their round
+                self._unverifiable(rounds[name], name, exc)
+        if after_verdicts is not None:
+            after_verdicts(outcomes)  # the next schedules before the commits: the devices draft on meanwhile
+        for name, verdict in verdicts.items():
             cur = rounds[name]
             try:
-                outcomes[name] = self._decide(cur, name, lg)
-            except Exception as exc:  # one device's data must not cost the others their round
-                log.warning("%s: its draft of round %d could not be verified (%s: %s)", name, cur.index,
-                            type(exc).__name__, P.show(str(exc), 200))
-                self._drop_session(name, "its draft could not be verified")
-        if after_verdicts is not None:
-            after_verdicts(outcomes)
+                self._commit(self.sessions[name], cur.index, verdict, cur.drafts[name].draft.tokens.tolist(),
+                             cur.schedule[name].draft_len)
+            except Exception as exc:
+                outcomes.pop(name)
+                self._unverifiable(cur, name, exc)
         for name, o in outcomes.items():
             self._observe(rounds[name], name, o)
         return outcomes, verify_s, tv, replying.descheduled_s()
 
-    def _decide(self, cur: RoundInFlight, name: str, logits: np.ndarray) -> DeviceOutcome:
+    def _unverifiable(self, cur: RoundInFlight, name: str, exc: Exception) -> None:
+        log.warning("%s: its draft of round %d could not be verified (%s: %s)", name, cur.index,
+                    type(exc).__name__, P.show(str(exc), 200))
+        self._drop_session(name, "its draft could not be verified")
+
+    def _decide(self, cur: RoundInFlight, name: str, logits: np.ndarray) -> tuple[DeviceOutcome, Verdict]:
         """Accept/reject for one device and send the verdict: the token (bonus, or a UL-mode correction made
-        here), or on a DL-mode rejection p_j for the device to correct with its own q_j."""
+        here), or on a DL-mode rejection p_j for the device to correct with its own q_j. The session takes
+        the verdict later (`_commit`)."""
         slot, arrived = cur.schedule[name], cur.drafts[name]
         d = arrived.draft
         # p is used as exact_from_wire of its wire rows, in both modes: a DL device rebuilds the identical
@@ -956,11 +967,10 @@ class EdgeServer:
         dl_bytes = sum(len(f) for f in frames)
         t_verdict = time.monotonic()
         self._send_air(name, frames)  # first: the device's part of the round goes on while the edge commits
-        self._commit(self.sessions[name], cur.index, verdict, d.tokens.tolist(), slot.draft_len)
         return DeviceOutcome(n_accepted=n, tokens=n + 1, dl_payload="p" if verdict.token is None else "token",
                              ul_channel=d.channel, ul_bytes=arrived.nbytes, dl_bytes=dl_bytes,
                              up_phase_s=arrived.t_arrival - cur.t0, t_verdict=t_verdict,
-                             timings=_finite_values(d.timings), q_bytes=d.q_bytes)
+                             timings=_finite_values(d.timings), q_bytes=d.q_bytes), verdict
 
     def _commit(self, s: Session, r: int, verdict: Verdict, drafts: list[int], draft_len: int) -> None:
         """The verdict's effect on a session: the verifier's cache, the committed tokens, the counters."""

@@ -17,6 +17,7 @@ from testbed.core.sampling import (
     sample_correction,
     sample_from,
     speculative_round,
+    to_half,
     to_probs,
     to_wire_precision,
 )
@@ -324,6 +325,28 @@ def test_wire_precision_and_exact_rows():
         to_wire_precision(probs, 8)
     with pytest.raises(ValueError, match="positive sum"):
         exact_from_wire(np.zeros((2, 3), np.float16))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fast_half_cast_is_numpys_cast_bit_for_bit(dtype):
+    """`to_half` replaces numpy's cast on the hot path: any bit pattern (subnormal halves, ties, overflow, NaN,
+    signed zeros) gives the very bits numpy gives."""
+    rng = np.random.default_rng(11)
+    uint = np.uint32 if dtype == np.float32 else np.uint64
+    anything = rng.integers(0, np.iinfo(uint).max, size=200_000, dtype=uint, endpoint=True).view(dtype)
+    # Around float16's subnormal range, densely: exact ties between two halves, their neighbours, and values
+    # whose float32 rounding would make a tie (a cast through float32 would round those twice).
+    ties = (np.arange(0, 2050) + 0.5) * 2.0 ** -24
+    near = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 1), ties * (1 + 2.0 ** -30),
+                           rng.uniform(0, 2.0 ** -13, 100_000), np.logspace(-40, 5, 10_000)]).astype(dtype)
+    with np.errstate(all="ignore"):
+        x = np.concatenate([anything, near, -near, [0.0, -0.0, np.inf, -np.inf, 65519.99, 65520.0]]).astype(dtype)
+        expected, got = x.astype(np.float16), to_half(x)
+        stacked = to_half(x.reshape(-1, 2))
+    assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))
+    assert np.array_equal(stacked.view(np.uint16), expected.reshape(-1, 2).view(np.uint16))
+    scalar = np.asarray(dtype(3e-6))  # a 0-d array
+    assert to_half(scalar).view(np.uint16) == scalar.astype(np.float16).view(np.uint16)
 
 
 # --- chi-square tests -------------------------------------------------------------------------------------

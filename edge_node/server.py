@@ -1062,7 +1062,9 @@ class EdgeServer:
         round time, prior T_0), feed the energy and outcome estimates, write it (a crash or Ctrl-C after this
         keeps it), count it. Both round loops keep their records so."""
         if fit_round is not None:
-            self.controller.observe_round(rec["measured"]["round_s"], *fit_round)
+            measured, predicted = rec["measured"].get("verify_s"), rec["predicted"].get("verify_s")
+            verify_error = measured - predicted if None not in (measured, predicted) else 0.0
+            self.controller.observe_round(rec["measured"]["round_s"], *fit_round, verify_error_s=verify_error)
         self.controller.observe_energy(rec)  # measured UL air times: the energy budgets' margins
         self.controller.observe_outcome(rec)  # what the policy sees of this round next time
         if self.before_record is not None:

@@ -206,8 +206,10 @@ class Controller:
         x = np.array(sizes)
         y = np.array([np.median([o[1] for o in obs if o[0] == sz]) for sz in sizes])
         if x.size < 2:
-            # One batch size so far: keep the slope, move the intercept to the mean.
-            self.t0 = max(0.0, float(np.mean(y - self.t1 * x)))
+            # One batch size so far: keep the slope, move the intercept to the median; a target faster than the
+            # prior's slope says (the intercept would go below 0) gets the line through the origin instead.
+            t0 = float(y[0] - self.t1 * x[0])
+            self.t0, self.t1 = (t0, self.t1) if t0 >= 0 else (0.0, float(y[0] / x[0]))
             return
         t1, t0 = np.polyfit(x, y, 1)
         if t1 >= 0 and t0 >= 0:
@@ -215,9 +217,12 @@ class Controller:
         else:  # a negative fit would make the model nonsense; fall back to a line through the origin
             self.t0, self.t1 = 0.0, float(max(0.0, np.sum(x * y) / np.sum(x * x)))
 
-    def observe_round(self, measured_round_s: float, predicted_round_s: float, overhead_used_s: float) -> None:
-        """Residual of the round time beyond the modeled phases; T_0 = median of the recent residuals."""
-        residual = measured_round_s - (predicted_round_s - overhead_used_s)
+    def observe_round(self, measured_round_s: float, predicted_round_s: float, overhead_used_s: float,
+                      verify_error_s: float = 0.0) -> None:
+        """Residual of the round time beyond the modeled phases; T_0 = median of the recent residuals.
+        `verify_error_s` (measured - predicted verification) is left out: the verification model fits itself
+        (`observe_verify`), and the first rounds' prior would otherwise sit in T_0 for a whole window."""
+        residual = measured_round_s - (predicted_round_s - overhead_used_s) - verify_error_s
         if not self.fit_round_overhead or not math.isfinite(residual):
             return
         self._overhead_obs.append(residual)

@@ -190,6 +190,32 @@ def test_controller_estimates():
     assert pinned.per_device["a"].mode == "DL" and pinned.per_device["a"].draft_len == 3
 
 
+def test_verify_fit_with_one_batch_size_follows_a_target_faster_than_the_prior():
+    """Every round of the same batch (one L for all devices): the slope is the prior's, unless the target is
+    faster than that slope allows (the intercept would go negative: a 256-device micro pair measured 35 ms
+    where the prior said 256 ms); then a line through the origin."""
+    scen = load_scenario({**SCEN, "vocab_size": 1000, "verify_t0_s": 0.02, "verify_t1_s": 0.0005})
+    c = Controller(scen, fit_verify_after=3)
+    for t in (0.030, 0.032, 0.040):
+        c.observe_verify(512, t)
+    assert c.t0 == 0.0 and c.t1 == pytest.approx(0.032 / 512)
+    slow = Controller(scen, fit_verify_after=3)
+    for t in (0.30, 0.31, 0.32):
+        slow.observe_verify(512, t)
+    assert slow.t1 == 0.0005 and slow.t0 == pytest.approx(0.31 - 0.0005 * 512)
+
+
+def test_round_overhead_leaves_the_verification_models_error_out():
+    """T_0 is what the phases do not explain; a verification slower or faster than predicted is the
+    verification model's to fit, so three rounds predicted with a prior 0.2 s too slow give T_0 = 0.05 s."""
+    c = Controller(load_scenario({**SCEN, "vocab_size": 1000}))
+    for _ in range(3):
+        c.observe_round(0.15, 0.30, 0.0, verify_error_s=-0.20)  # measured 0.15 s; 0.2 s of it mispredicted
+    assert c.round_overhead_s == pytest.approx(0.05)
+    c.observe_round(0.40, 0.30, 0.05)  # without the verification's error: 0.4 - 0.25
+    assert c.round_overhead_s == pytest.approx(0.05)  # median of 0.05, 0.05, 0.05, 0.15
+
+
 def _fake_records(n=6):
     scen = load_scenario({**SCEN, "vocab_size": 1000})
     c = Controller(scen)

@@ -908,10 +908,10 @@ class EdgeServer:
                      ) -> tuple[dict[str, DeviceOutcome], float, float, float]:
         """ONE batched forward over the drafts of `rounds` (device -> its round in flight; asynchronous rounds
         mix cycles), `before_verdicts()` if given, then each device's verdict, `after_verdicts(outcomes)` if
-        given (the next round's schedules: before the estimates are fed, which the devices need not wait
-        for), then the estimates. A draft that cannot be verified costs its device the session, not the others
-        their round. Returns the outcomes, the verification time, when it started, and of the time after it the
-        part this thread did not run (`ThreadClock`). Both round loops verify so."""
+        given (the next round's schedules), then what the devices need not wait for: the sessions' commits and
+        the estimates (the verification time's too). A draft that cannot be verified costs its device the
+        session, not the others their round. Returns the outcomes, the verification time, when it started, and
+        of the time after it the part this thread did not run (`ThreadClock`). Both round loops verify so."""
         names = list(rounds)
         items = [(self.sessions[n].sid, list(self.sessions[n].pending), rounds[n].drafts[n].draft.tokens.tolist())
                  for n in names]
@@ -919,7 +919,6 @@ class EdgeServer:
         logits = self.verifier.verify(items)
         verify_s = time.monotonic() - tv
         replying = ThreadClock()
-        self.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names), verify_s)
         if before_verdicts is not None:
             before_verdicts()
         outcomes, verdicts = {}, {}
@@ -938,6 +937,7 @@ class EdgeServer:
             except Exception as exc:
                 outcomes.pop(name)
                 self._unverifiable(cur, name, exc)
+        self.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names), verify_s)
         for name, o in outcomes.items():
             self._observe(rounds[name], name, o)
         return outcomes, verify_s, tv, replying.descheduled_s()

@@ -275,16 +275,12 @@ class Controller:
         is fixed (`rate_override`: name -> {"ul", "dl"} bit/s or None) gets it as the core model's fixed rate
         of that direction (the model's other direction keeps its gain)."""
         keep = set(names)
-        data = self.base.model_dump(exclude_none=True)
-        data["devices"] = [d for d in data["devices"] if d["name"] in keep]
-        data["verify_t0_s"], data["verify_t1_s"] = self.t0, self.t1
-        data["round_overhead_s"] = self.round_overhead_s
-        data["header_bits"] = self.header_bits
-        sub = Scenario.from_dict(data)
-        sub = sub.with_device_updates(
+        sub = self.base.with_device_updates(
             acceptance={n: self.est[n].alpha for n in names},
             draft_time_s={n: self.est[n].draft_time_s for n in names},
-            channel_gain_db={n: gains[n] for n in names},
+            channel_gain_db={n: gains[n] for n in names}, only=keep,
+            fields={"verify_t0_s": self.t0, "verify_t1_s": self.t1, "round_overhead_s": self.round_overhead_s,
+                    "header_bits": self.header_bits},
         )
         if not rate_override:
             return sub

@@ -56,6 +56,10 @@ def option_scenario(sc: Scenario, k: int | None, acceptance: Mapping[str, float]
     alpha = dict(zip([d.name for d in sc.devices], prior_acceptance(sc, k).tolist()))
     if acceptance:
         alpha.update({n: float(a) for n, a in acceptance.items() if n in alpha})
+    same_format = sc.payload_format == "dense" if k is None else (sc.payload_format == "topk" and sc.topk_k == k)
+    if (same_format and not sc.topk_choices and not sc.topk_acceptance_ratio
+            and all(d.acceptance == alpha[d.name] for d in sc.devices)):
+        return sc  # already that plain scenario: a rebuild would validate every device again for nothing
     data = sc.model_dump(exclude_none=True)
     data.update(payload_format="dense" if k is None else "topk", topk_choices=(), topk_acceptance_ratio={})
     if k is not None:

@@ -8,6 +8,7 @@ Every **Option** of the spec is a field with the spec's default.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from typing import Any, Literal
 
 import numpy as np
@@ -193,8 +194,10 @@ class Scenario(_Strict):
                             acceptance: dict[str, float] | None = None,
                             draft_time_s: dict[str, float] | None = None,
                             channel_gain_db: dict[str, float] | None = None,
-                            clip_acceptance: bool = True) -> Scenario:
-        """A validated copy with per-device fields replaced, keyed by device name.
+                            clip_acceptance: bool = True, only: Collection[str] | None = None,
+                            fields: dict[str, Any] | None = None) -> Scenario:
+        """A validated copy with per-device fields replaced, keyed by device name; with `only`, of those
+        devices alone; with `fields`, global fields replaced too (one validation for all of it).
 
         The live controller calls this each round with online estimates. An acceptance estimate of
         exactly 0 or 1 (all rejected / all accepted so far) is clipped into [1e-3, 1 - 1e-3] unless
@@ -210,7 +213,8 @@ class Scenario(_Strict):
         if unknown:
             raise ScenarioError(f"unknown device name(s) {unknown}; devices are {sorted(names)}")
         devices = []
-        for d in self.devices:
+        kept = self.devices if only is None else [d for d in self.devices if d.name in set(only)]
+        for d in kept:
             dd = d.model_dump(exclude_none=True)
             upd = per.get(d.name, {})
             if "channel_gain_db" in upd:
@@ -221,7 +225,8 @@ class Scenario(_Strict):
             if clip_acceptance and "acceptance" in upd:
                 dd["acceptance"] = float(min(max(dd["acceptance"], 1e-3), 1.0 - 1e-3))
             devices.append(dd)
-        data = self.model_dump(exclude_none=True)
+        data = self.model_dump(exclude_none=True, exclude={"devices"})
+        data.update(fields or {})
         data["devices"] = devices
         return Scenario.from_dict(data)
 

@@ -105,3 +105,10 @@ def test_with_updates_and_device_updates():
         sc.with_device_updates(acceptance={"zz": 0.5})
     with pytest.raises(ScenarioError, match="acceptance"):
         sc.with_device_updates(acceptance={"d0": 1.0}, clip_acceptance=False)
+    # The controller's one validation a round: the devices kept and global fields with the updates.
+    s4 = sc.with_device_updates(draft_time_s={"d1": 0.03}, only={"d1"}, fields={"verify_t0_s": 0.5})
+    assert [d.name for d in s4.devices] == ["d1"] and s4.devices[0].draft_time_s == 0.03
+    d1 = {**sc.devices[1].model_dump(exclude_none=True), "draft_time_s": 0.03}
+    assert s4.verify_t0_s == 0.5 and s4 == Scenario.from_dict({**base(), "verify_t0_s": 0.5, "devices": [d1]})
+    with pytest.raises(ScenarioError, match="verify_t0_s"):
+        sc.with_device_updates(fields={"verify_t0_s": -1})

@@ -348,6 +348,22 @@ def test_the_target_distribution_stays_dense_on_the_downlink():
     assert model.distribution_bits(sc) == 64 * (18 + 16)
 
 
+def test_a_plain_option_is_its_own_scenario_and_the_others_are_rebuilt():
+    """`option_scenario` returns the scenario itself where its rebuild would equal it (dense, no choices, no
+    ratio, no estimate: the live controller's usual round) and rebuilds it otherwise."""
+    sc = _scenario()
+    assert payload.option_scenario(sc, None) is sc
+    est = payload.option_scenario(sc, None, {sc.devices[0].name: 0.42})
+    assert est is not sc and est.devices[0].acceptance == 0.42 and est.devices[1:] == sc.devices[1:]
+    topk = _scenario(payload_format="topk", topk_k=16)
+    assert payload.option_scenario(topk, 16) is topk
+    as_dense = payload.option_scenario(topk, None)
+    assert as_dense.payload_format == "dense" and as_dense.devices == topk.devices
+    ratio = _scenario(payload_format="topk", topk_k=16, topk_acceptance_ratio={16: 0.5})
+    halved = payload.option_scenario(ratio, 16)
+    np.testing.assert_allclose(halved.device_array("acceptance"), 0.5 * ratio.device_array("acceptance"))
+
+
 def test_the_plan_chooses_the_upload_among_dense_and_each_k():
     ratios = {16: 0.8, 64: 0.92, 256: 0.98, 1024: 0.995}
     sc = _scenario(topk_choices=[16, 64, 256, 1024], topk_acceptance_ratio=ratios)

@@ -213,7 +213,8 @@ class Scenario(_Strict):
         if unknown:
             raise ScenarioError(f"unknown device name(s) {unknown}; devices are {sorted(names)}")
         devices = []
-        kept = self.devices if only is None else [d for d in self.devices if d.name in set(only)]
+        wanted = None if only is None else set(only)
+        kept = self.devices if wanted is None else [d for d in self.devices if d.name in wanted]
         for d in kept:
             dd = d.model_dump(exclude_none=True)
             upd = per.get(d.name, {})

@@ -46,6 +46,7 @@ from device_node.gate import OPEN, Gate
 from device_node.hardware import HardwareProfile, load_hardware
 from device_node.link_probe import BackgroundProbe, LinkMeasurement, NoneProbe, make_probe
 from device_node.options import EPILOG, ExitCode, add_arguments
+from testbed import timeline
 from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
 from testbed.security import ClientKeys, SecurityError, make_client
 from testbed.waiting import wait_readable
@@ -97,6 +98,7 @@ class DeviceNode:
         self._probe_pad = None     # a rate probe's echo padding (uint8 zeros), grown to the largest asked for
         # A shared host's wait for the message in hand: received -> its handling began (`_serve`).
         self._gate_wait_s = 0.0
+        self._t_recv = 0.0  # when the message in hand was received (monotonic; `testbed.timeline`)
 
     # -- transport ------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -237,6 +239,7 @@ class DeviceNode:
             # waiting, and they prove the edge alive.
             if wait_readable(self.sock, wait, busy=self.busy_poll):
                 frames = self.sock.recv_multipart(copy=False)
+                self._t_recv = time.monotonic()
                 t_recv = time.perf_counter()
                 with self.gate:
                     self._gate_wait_s = time.perf_counter() - t_recv  # the other devices' work, not ours
@@ -259,6 +262,8 @@ class DeviceNode:
         try:
             header, arrays = P.decode(frames)
             kind = header["type"]
+            timeline.stamp(f"device: {kind} in", self._t_recv)
+            timeline.stamp(f"device: {kind} decoded")
             if kind != P.ERROR:  # an error reply is no proof of a live session (a restarted edge sends them)
                 self.last_heard = time.monotonic()
             if kind == P.SCHEDULE:
@@ -341,12 +346,14 @@ class DeviceNode:
             return
         generator = self._draft_generator(sched.round)
         hosted = self.gate is not OPEN
+        timeline.stamp("device: drafting starts")
         t0, cpu0 = time.perf_counter(), time.thread_time()
         # Sampled through the wire precision: draft.q is exactly what the edge rebuilds from the upload. A top-k
         # round drafts from q truncated to its top k (DraftParams), the q a top-k upload carries.
         params = DraftParams.of(self.params, sched.topk)
         draft = self.drafter.draft(sched.draft_len, params, generator, wire_bits=self.bits)
         compute_s = time.perf_counter() - t0
+        timeline.stamp("device: drafted")
         if hosted:
             # A shared host runs more busy threads than it has cores: the wall clock also counts the time the
             # system ran the others. The thread's CPU time is this device's own compute (onnxruntime with one
@@ -366,7 +373,9 @@ class DeviceNode:
         frames = M.draft(sched.round, sched.mode, draft.tokens, draft.q, q_wire=draft.wire,
                          last_token=self.committed[-1], bits_per_prob=self.bits, on_air_vocab=self.on_air,
                          timings=timings, topk=sched.topk)
+        timeline.stamp("device: draft encoded")
         self._send_air(frames, "ul")
+        timeline.stamp("device: draft sent")
         # While the edge verifies: the next round's drafting generator (seeding one takes 0.1 ms, which would
         # otherwise come between the verdict and the next draft).
         self._ahead = (self.session, sched.round + 1,
@@ -406,9 +415,12 @@ class DeviceNode:
         if self.gate is not OPEN:
             timings["host_wait_s"] = self._gate_wait_s
         # The report first: the edge's round ends with it. (The token is a valid id: the commit cannot fail.)
+        timeline.stamp("device: verdict checked")
         self._send(M.report(sched.round, token, v.n_accepted, timings, v.channel, link=self._link()))
+        timeline.stamp("device: report sent")
         self.drafter.commit(v.n_accepted, token)
         self.committed.extend(draft.tokens[: v.n_accepted] + [token])
+        timeline.stamp("device: committed")
         self.rounds_done += 1
 
     def _draft_generator(self, round_index: int):

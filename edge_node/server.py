@@ -54,7 +54,7 @@ import numpy as np
 import zmq
 
 from edge_node.probing import Prober
-from testbed import security
+from testbed import security, timeline
 from testbed.controller import (
     Arrival,
     Controller,
@@ -382,6 +382,8 @@ class EdgeServer:
                 header, arrays = P.decode(frames[1:], max_array_bytes=self.max_array_bytes)
             except ProtocolError as exc:
                 raise Refusal("malformed", f"malformed message: {exc}") from None
+            timeline.stamp(f"edge: {header['type']} in", t_arr)
+            timeline.stamp(f"edge: {header['type']} decoded")
             if keyed and (name not in self.routes or security.claims_route(name, header)):
                 self.routes[name] = ident  # replies to the name go here (one entry per listed key at most)
             s = self.sessions.get(name)
@@ -643,6 +645,7 @@ class EdgeServer:
             # Its draft will not come: the round goes on without it at once instead of at the deadline.
             cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
             raise
+        timeline.stamp("edge: draft checked")
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
         handled_s = max(0.0, time.monotonic() - t_arr - self._dispatch_clock.descheduled_s())
         cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=handled_s)
@@ -785,6 +788,7 @@ class EdgeServer:
             # The verification's random draws, made while the devices draft instead of after the verification.
             cur.draws = {n: DrawsAhead(self.seed, n, cur.index, slot.draft_len) for n, slot in cur.schedule.items()}
             cur.plan_descheduled_s = planning.descheduled_s()
+            timeline.stamp("edge: next round planned")
             present = self._collect_drafts(cur)
             outcomes, verify_s = self._verify_and_reply(cur, present)  # and perhaps the next round's schedules
             try:
@@ -858,6 +862,7 @@ class EdgeServer:
         for name, slot in cur.schedule.items():
             self._send(name, M.schedule(r, slot.mode, slot.draft_len, slot.ul_power_w or 0.0,
                                         slot.dl_power_w or 0.0, self.deadline_s, topk=rp.topk))
+        timeline.stamp("edge: schedules sent")
         return cur
 
     # collect drafts
@@ -916,8 +921,10 @@ class EdgeServer:
         items = [(self.sessions[n].sid, list(self.sessions[n].pending), rounds[n].drafts[n].draft.tokens.tolist())
                  for n in names]
         tv = time.monotonic()
+        timeline.stamp("edge: verification starts", tv)
         logits = self.verifier.verify(items)
         verify_s = time.monotonic() - tv
+        timeline.stamp("edge: verification done")
         replying = ThreadClock()
         if before_verdicts is not None:
             before_verdicts()
@@ -966,7 +973,9 @@ class EdgeServer:
             frames = M.verdict(cur.index, n, verdict.token)
         dl_bytes = sum(len(f) for f in frames)
         t_verdict = time.monotonic()
+        timeline.stamp("edge: verdict encoded", t_verdict)
         self._send_air(name, frames)  # first: the device's part of the round goes on while the edge commits
+        timeline.stamp("edge: verdict sent")
         return DeviceOutcome(n_accepted=n, tokens=n + 1, dl_payload="p" if verdict.token is None else "token",
                              ul_channel=d.channel, ul_bytes=arrived.nbytes, dl_bytes=dl_bytes,
                              up_phase_s=arrived.t_arrival - cur.t0, t_verdict=t_verdict,

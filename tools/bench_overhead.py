@@ -24,6 +24,11 @@ run's times, from its round records (the device's drafting time, the draft's arr
   verdict -> report        delivered, decoded, committed on the device, its report back
   between rounds           the round record (and progress) written, callbacks, the next round's housekeeping
 The machine's load moves all of these (2 shared cores): compare runs made side by side, as this tool does.
+
+`--timeline` also stamps each step of a round in both processes on the host's one monotonic clock
+(`testbed.timeline`) and prints, from the edge's verdict to its next verification, when each step happened
+(the median over rounds) and how long after the step before: each message's encode, send, trip, decode and
+check, on the critical path or beside it.
 """
 
 from __future__ import annotations
@@ -102,6 +107,8 @@ def main(argv=None) -> int:
                     help="CURVE on the edge socket (tcp loopback); both: plain and CURVE side by side")
     ap.add_argument("--busy-poll", choices=["auto", "on", "off"], default="auto",
                     help="the live run's busy_poll setting (default auto, as multispin run)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also stamp each step in both processes (testbed.timeline) and print a round's timeline")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -111,6 +118,11 @@ def main(argv=None) -> int:
     from testbed.records import load_run
 
     paths = pair_paths(args.pair)
+    stamps_dir = Path(tempfile.mkdtemp(prefix="ms-bench-timeline-")) if args.timeline else None
+    if stamps_dir is not None:
+        from testbed import timeline
+
+        timeline.enable(stamps_dir)  # the edge runs in this process; the device process inherits it
     prompt = "The :mod:`json` module provides"
     base = {
         "name": "bench-overhead", "rounds": args.rounds, "seed": args.seed, "prompts": [prompt],
@@ -165,6 +177,9 @@ def main(argv=None) -> int:
                                                                                   for r in rs])),
                                  "phases_ms": median_phases([r["phases_ms"] for r in rs])}
                              for v, rs in by_transport.items()}}
+    if stamps_dir is not None:
+        result["timeline_ms"] = round_timeline(timeline.take() + timeline.load(stamps_dir))
+        shutil.rmtree(stamps_dir, ignore_errors=True)
     first = result["transports"][variants[0]]
     result["median_ratio"], result["median_overhead_ms_per_round"] = (first["median_ratio"],
                                                                       first["median_overhead_ms_per_round"])
@@ -172,7 +187,28 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_result(args, result, results)
+        if "timeline_ms" in result:
+            print_timeline(result["timeline_ms"])
     return 0
+
+
+def round_timeline(events: list) -> list[dict]:
+    """From the edge's verdict to its next verification, each step's median time after the verdict (over the
+    live runs' rounds, both processes on one clock) and the step before it."""
+    from testbed.timeline import critical_path
+
+    rows = critical_path(events, "edge: verdict encoded", "edge: verification starts")
+    most = max((n for _, _, n in rows), default=0)
+    rows = [r for r in rows if 2 * r[2] >= most]  # steps of most rounds (not the first schedule, nor the bye)
+    return [{"step": tag, "at_ms": at, "delta_ms": at - (rows[i - 1][1] if i else 0.0), "rounds": n}
+            for i, (tag, at, n) in enumerate(rows)]
+
+
+def print_timeline(rows: list[dict]) -> None:
+    print("  a round between the two processes (medians over rounds; ms after the edge encoded the verdict):")
+    print("       at     step  what")
+    for r in rows:
+        print(f"    {r['at_ms']:6.3f}  {r['delta_ms']:+6.3f}  {r['step']}")
 
 
 def variant_profile(base: dict, variant: str, keys_dir: Path) -> dict:

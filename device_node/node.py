@@ -185,7 +185,8 @@ class DeviceNode:
             if not first:
                 self._open()
             first = False
-            self._send(M.register(self.name, self.drafter.vocab_size, self.hardware.to_dict()))
+            self._send(M.register(self.name, self.drafter.vocab_size, self.hardware.to_dict(),
+                                  features=(M.SCHEDULE_IN_VERDICT,)))
             until = time.monotonic() + retry
             if deadline is not None:
                 until = min(until, deadline)
@@ -270,6 +271,10 @@ class DeviceNode:
                 self._on_schedule(header)
             elif kind == P.VERDICT:
                 self._on_verdict(header, arrays)
+                nxt = M.schedule_in(header)  # the next round's schedule, sent with this verdict
+                if nxt is not None:
+                    kind = "verdict.next"
+                    self._on_schedule(nxt)
             elif kind == P.PROBE:
                 self._on_probe(header, arrays)
             elif kind == P.HEARTBEAT or kind == P.TX_START:

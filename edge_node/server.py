@@ -130,6 +130,7 @@ class Session:
     unconfirmed: int = 0                    # output tokens committed here whose report has not come yet
     last_heard: float = 0.0                 # edge clock: the device's latest message of any kind
     last_sent: float = 0.0                  # edge clock: our latest message to it (heartbeats included)
+    features: frozenset[str] = frozenset()  # what its device understands (`register.features`)
 
 
 class DrawsAhead(RoundRandomness):
@@ -500,19 +501,19 @@ class EdgeServer:
         if old is not None:
             log.info("%s: re-registered; closing its old session %s", name, old.sid)
             self._end_session(name, "re-registered", notify=False)
-        self._open_session(name, reg.hardware)
+        self._open_session(name, reg.hardware, reg.features)
 
     def _alive(self, s: Session) -> bool:
         """A session whose device was heard within the liveness window and that the edge has not ended."""
         return not s.done and time.monotonic() - s.last_heard <= self.window_s
 
-    def _open_session(self, name: str, hardware: dict) -> None:
+    def _open_session(self, name: str, hardware: dict, features: frozenset[str] = frozenset()) -> None:
         idx = sorted(self.known).index(name) % len(self.prompts)
         sid = f"{name}#{next(self._sid)}"
         prompt = list(self.prompts[idx])
         self.verifier.open(sid, prompt)
         now = time.monotonic()
-        self.sessions[name] = Session(name, sid, prompt, hardware, pending=[], last_heard=now)
+        self.sessions[name] = Session(name, sid, prompt, hardware, pending=[], last_heard=now, features=features)
         self.controller.observe_hardware(name, hardware)  # its energy constants, for the records
         self._send(name, M.registered(sid, prompt, seed=self.seed, sampling=dataclasses.asdict(self.params),
                                       bits_per_prob=self.bits, on_air_vocab_size=self.on_air,
@@ -831,7 +832,8 @@ class EdgeServer:
         """With `schedule_ahead`, send round r+1's schedules right after round r's verdicts when the edge already
         holds every token of round r (no DL-mode correction to wait for) and the plan made during the drafting
         is for exactly these devices: a device reads its verdict, reports and drafts on at once, and the report
-        trip and the record of round r leave the critical path. Returns the round scheduled, or None."""
+        trip and the record of round r leave the critical path. Returns the round scheduled, or None; its
+        schedules go out with the verdicts (`_send_verdict`)."""
         if not self.schedule_ahead or cur.index + 1 >= self._rounds_end or self._next_plan is None:
             return None
         rp, plan_s = self._next_plan
@@ -841,7 +843,7 @@ class EdgeServer:
                 or any(self._has_all_tokens(self.sessions[n], outcomes[n].tokens) for n in names)):
             return None
         self._next_plan, self._reporting = None, cur
-        nxt = self._schedule(cur.index + 1, rp, plan_s)
+        nxt = self._schedule(cur.index + 1, rp, plan_s, send=False)
         nxt.ahead = True
         return nxt
 
@@ -849,9 +851,9 @@ class EdgeServer:
         return bool(self.max_new_tokens) and len(s.output_ids) + uncommitted >= self.max_new_tokens
 
     # schedule
-    def _schedule(self, r: int, rp: RoundPlan, plan_s: float) -> RoundInFlight:
+    def _schedule(self, r: int, rp: RoundPlan, plan_s: float, send: bool = True) -> RoundInFlight:
         """Give the channel emulator the plan's rates (which also proves it answers), then send each
-        device its schedule."""
+        device its schedule (with `send`; else the caller sends them, `schedule_fields`)."""
         if self.channel is not None:
             self._channel_call("configure", self.channel.configure, round=r, links=channel_links(rp),
                                dl_access=rp.scenario.dl_access, base_latency_s=self.base_latency_s)
@@ -859,11 +861,17 @@ class EdgeServer:
         cur = RoundInFlight(r, rp, plan_s, {n: rp.per_device[n] for n in rp.devices},
                             {n: self.sessions[n].sid for n in rp.devices}, t0=time.monotonic())
         self._round = cur
-        for name, slot in cur.schedule.items():
-            self._send(name, M.schedule(r, slot.mode, slot.draft_len, slot.ul_power_w or 0.0,
-                                        slot.dl_power_w or 0.0, self.deadline_s, topk=rp.topk))
-        timeline.stamp("edge: schedules sent")
+        if send:
+            for name in cur.schedule:
+                self._send(name, M.schedule_of(self.schedule_fields(cur, name)))
+            timeline.stamp("edge: schedules sent")
         return cur
+
+    def schedule_fields(self, cur: RoundInFlight, name: str) -> dict:
+        """`name`'s schedule of round `cur` (`messages.schedule_fields`)."""
+        slot = cur.schedule[name]
+        return M.schedule_fields(cur.index, slot.mode, slot.draft_len, slot.ul_power_w or 0.0, slot.dl_power_w or 0.0,
+                                 self.deadline_s, topk=cur.plan.topk)
 
     # collect drafts
     def _collect_drafts(self, cur: RoundInFlight) -> list[str]:
@@ -904,6 +912,7 @@ class EdgeServer:
 
         def after_verdicts(outcomes):
             self._ahead = self._schedule_ahead(cur, outcomes)
+            return self._ahead
 
         outcomes, verify_s, _, cur.reply_descheduled_s = self.verify_batch({n: cur for n in present},
                                                                            after_verdicts=after_verdicts)
@@ -912,11 +921,13 @@ class EdgeServer:
     def verify_batch(self, rounds: dict[str, RoundInFlight], before_verdicts=None, after_verdicts=None
                      ) -> tuple[dict[str, DeviceOutcome], float, float, float]:
         """ONE batched forward over the drafts of `rounds` (device -> its round in flight; asynchronous rounds
-        mix cycles), `before_verdicts()` if given, then each device's verdict, `after_verdicts(outcomes)` if
-        given (the next round's schedules), then what the devices need not wait for: the sessions' commits and
-        the estimates (the verification time's too). A draft that cannot be verified costs its device the
-        session, not the others their round. Returns the outcomes, the verification time, when it started, and
-        of the time after it the part this thread did not run (`ThreadClock`). Both round loops verify so."""
+        mix cycles), `before_verdicts()` if given, then each device's verdict as it is decided; with
+        `after_verdicts(outcomes)` (it returns the next round in flight, or None) every verdict is decided first
+        and goes out with that round's schedule (`_send_verdict`). Then what the devices need not wait for: the
+        sessions' commits and the estimates (the verification time's too). A draft that cannot be verified costs
+        its device the session, not the others their round. Returns the outcomes, the verification time, when it
+        started, and of the time after it the part this thread did not run (`ThreadClock`). Both round loops
+        verify so."""
         names = list(rounds)
         items = [(self.sessions[n].sid, list(self.sessions[n].pending), rounds[n].drafts[n].draft.tokens.tolist())
                  for n in names]
@@ -928,14 +939,20 @@ class EdgeServer:
         replying = ThreadClock()
         if before_verdicts is not None:
             before_verdicts()
-        outcomes, verdicts = {}, {}
+        outcomes, verdicts, replies = {}, {}, {}
         for name, lg in zip(names, logits):
             try:
-                outcomes[name], verdicts[name] = self._decide(rounds[name], name, lg)
+                outcomes[name], verdicts[name], replies[name] = self._decide(rounds[name], name, lg)
             except Exception as exc:  # one device's data must not cost the others their round
                 self._unverifiable(rounds[name], name, exc)
+                continue
+            if after_verdicts is None:
+                self._send_verdict(name, outcomes[name], replies[name])
         if after_verdicts is not None:
-            after_verdicts(outcomes)  # the next schedules before the commits: the devices draft on meanwhile
+            # The next round's schedules with the verdicts, before the commits: the devices draft on meanwhile.
+            nxt = after_verdicts(outcomes)
+            for name, o in outcomes.items():
+                self._send_verdict(name, o, replies[name], nxt)
         for name, verdict in verdicts.items():
             cur = rounds[name]
             try:
@@ -954,10 +971,10 @@ class EdgeServer:
                     type(exc).__name__, P.show(str(exc), 200))
         self._drop_session(name, "its draft could not be verified")
 
-    def _decide(self, cur: RoundInFlight, name: str, logits: np.ndarray) -> tuple[DeviceOutcome, Verdict]:
-        """Accept/reject for one device and send the verdict: the token (bonus, or a UL-mode correction made
-        here), or on a DL-mode rejection p_j for the device to correct with its own q_j. The session takes
-        the verdict later (`_commit`)."""
+    def _decide(self, cur: RoundInFlight, name: str, logits: np.ndarray) -> tuple[DeviceOutcome, Verdict, dict]:
+        """Accept/reject for one device: its outcome, the verdict and the reply to send (`_send_verdict`): the
+        token (bonus, or a UL-mode correction made here), or on a DL-mode rejection p_j for the device to
+        correct with its own q_j. The session takes the verdict later (`_commit`)."""
         slot, arrived = cur.schedule[name], cur.drafts[name]
         d = arrived.draft
         # p is used as exact_from_wire of its wire rows, in both modes: a DL device rebuilds the identical
@@ -966,20 +983,30 @@ class EdgeServer:
         rr = cur.draws.get(name) or RoundRandomness(self.seed, name, cur.index)
         verdict = verify_draft(exact_from_wire(p_wire), d.q_at, d.q_rows, d.tokens, slot.mode, rr)
         n = verdict.n_accepted
+        reply = {"round_index": cur.index, "n_accepted": n, "token": verdict.token}
         if verdict.token is None:
-            frames = M.verdict(cur.index, n, None, p_row=p_wire[n], bits_per_prob=self.bits,
-                               on_air_vocab=self.on_air)
-        else:
-            frames = M.verdict(cur.index, n, verdict.token)
-        dl_bytes = sum(len(f) for f in frames)
-        t_verdict = time.monotonic()
-        timeline.stamp("edge: verdict encoded", t_verdict)
-        self._send_air(name, frames)  # first: the device's part of the round goes on while the edge commits
-        timeline.stamp("edge: verdict sent")
+            reply.update(p_row=p_wire[n], bits_per_prob=self.bits, on_air_vocab=self.on_air)
         return DeviceOutcome(n_accepted=n, tokens=n + 1, dl_payload="p" if verdict.token is None else "token",
-                             ul_channel=d.channel, ul_bytes=arrived.nbytes, dl_bytes=dl_bytes,
-                             up_phase_s=arrived.t_arrival - cur.t0, t_verdict=t_verdict,
-                             timings=_finite_values(d.timings), q_bytes=d.q_bytes), verdict
+                             ul_channel=d.channel, ul_bytes=arrived.nbytes, dl_bytes=0,
+                             up_phase_s=arrived.t_arrival - cur.t0, t_verdict=0.0,
+                             timings=_finite_values(d.timings), q_bytes=d.q_bytes), verdict, reply
+
+    def _send_verdict(self, name: str, o: DeviceOutcome, reply: dict, nxt: RoundInFlight | None = None) -> None:
+        """Send a decided verdict (`reply`: `messages.verdict`'s arguments) and, when the next round `nxt` goes
+        out now, its schedule: inside the verdict (`verdict.next`, one message instead of two) to a device that
+        listed `schedule_in_verdict`, else right behind it. The outcome takes the verdict's time and bytes
+        (a schedule inside not counted: schedules are not charged)."""
+        scheduled = nxt is not None and name in nxt.schedule
+        inside = scheduled and M.SCHEDULE_IN_VERDICT in self.sessions[name].features
+        fields = self.schedule_fields(nxt, name) if scheduled else None
+        frames = M.verdict(**reply, next_schedule=fields if inside else None)
+        o.t_verdict = time.monotonic()
+        timeline.stamp("edge: verdict encoded", o.t_verdict)
+        self._send_air(name, frames)  # the device's part of the round goes on while the edge commits
+        timeline.stamp("edge: verdict sent")
+        if scheduled and not inside:
+            self._send(name, M.schedule_of(fields))
+        o.dl_bytes = sum(len(f) for f in frames) - (M.next_bytes(fields) if inside else 0)
 
     def _commit(self, s: Session, r: int, verdict: Verdict, drafts: list[int], draft_len: int) -> None:
         """The verdict's effect on a session: the verifier's cache, the committed tokens, the counters."""

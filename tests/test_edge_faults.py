@@ -76,13 +76,18 @@ class ScriptedDevice(threading.Thread):
     behaviour: "honest"; "bad_draft" (every draft has the wrong mode: refused); "no_report" (never reports);
     "forge" (claims a channel annotation and odd timings in its drafts); "refuse_schedule" (answers every
     schedule with a non-fatal error naming its round); "stale_report_first" (before each report, one naming
-    a round long past: refused).
+    a round long past: refused). `features`: what it lists in its `register` (`schedule_in_verdict`: it drafts
+    the schedule a verdict carries, after its report).
     """
 
     def __init__(self, endpoint: str, name: str, behaviour: str = "honest", keys: ClientKeys | None = None,
-                 context: zmq.Context | None = None, vocab: int = V):
+                 context: zmq.Context | None = None, vocab: int = V, features: tuple[str, ...] = ()):
         super().__init__(daemon=True)
         self.endpoint, self.name, self.behaviour, self.keys, self.vocab = endpoint, name, behaviour, keys, vocab
+        self.features = features
+        self.schedules = 0          # schedule messages received
+        self.schedules_inside = 0   # schedules received inside a verdict
+        self.verdict_bytes: list[int] = []  # each verdict's bytes without a schedule inside
         self.ctx = context or zmq.Context.instance()
         self.stop = threading.Event()
         self.registered: M.Registered | None = None
@@ -104,7 +109,7 @@ class ScriptedDevice(threading.Thread):
             sock.close(linger=0)
 
     def _serve(self, sock):
-        sock.send_multipart(M.register(self.name, self.vocab, {"name": "scripted"}))
+        sock.send_multipart(M.register(self.name, self.vocab, {"name": "scripted"}, features=self.features))
         last_sent, committed, pending = time.monotonic(), [], None
         while not self.stop.is_set() and self.bye is None:
             if self.registered and time.monotonic() - last_sent >= self.registered.heartbeat_s:
@@ -118,6 +123,7 @@ class ScriptedDevice(threading.Thread):
                 self.registered = M.parse_registered(h, a, vocab_size=self.vocab)
                 committed = list(self.registered.prompt_ids)
             elif kind == P.SCHEDULE:
+                self.schedules += 1
                 pending = M.parse_schedule(h, 4)
                 if self.behaviour == "refuse_schedule":  # as a device holding an unverified draft answers
                     sock.send_multipart(M.error("refused the schedule", round_index=pending.round))
@@ -134,6 +140,12 @@ class ScriptedDevice(threading.Thread):
                     sock.send_multipart(M.report(v.round + 7, v.token, v.n_accepted, {"correction_s": 0.0}, None))
                 if self.behaviour != "no_report":
                     sock.send_multipart(M.report(v.round, v.token, v.n_accepted, {"correction_s": 0.0}, v.channel))
+                self.verdict_bytes.append(sum(len(f) for f in M.verdict(v.round, v.n_accepted, v.token)))
+                nxt = M.schedule_in(h)
+                if nxt is not None:
+                    self.schedules_inside += 1
+                    pending = M.parse_schedule(nxt, 4)
+                    sock.send_multipart(self._draft(pending, committed[-1]))
             elif kind == P.ERROR:
                 self.errors.append(h["message"])
             elif kind == P.HEARTBEAT:

@@ -89,3 +89,55 @@ def test_device_without_an_edge_exits_with_no_edge(micro_pair, tmp_path):
         assert node.run() == ExitCode.NO_EDGE == 3
     finally:
         node.close()
+
+
+def test_device_node_drafts_the_schedule_inside_a_verdict(micro_pair, tmp_path):
+    # A device lists schedule_in_verdict; a verdict that carries the next round's schedule (`next`) is reported,
+    # then drafted at once; a malformed `next` costs that schedule only (the report still comes).
+    from device_node.drafter import OnnxDrafter
+    from device_node.node import DeviceNode
+
+    ep = f"ipc://{tmp_path}/edge"
+    edge = zmq.Context.instance().socket(zmq.ROUTER)
+    edge.setsockopt(zmq.LINGER, 0)
+    edge.bind(ep)
+    node = DeviceNode(ep, "dev-y", OnnxDrafter(micro_pair.draft_onnx), register_timeout_s=20, idle_timeout_s=20)
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("rc", node.run()), daemon=True)
+    th.start()
+
+    def recv(timeout_ms=20_000):
+        if not edge.poll(timeout_ms):
+            return None
+        _, *frames = edge.recv_multipart()
+        return P.decode(frames)
+
+    def send(frames):
+        edge.send_multipart([b"dev-y", *frames])
+
+    try:
+        h, _ = recv()
+        assert M.parse_register(h).features == {M.SCHEDULE_IN_VERDICT}
+        send(M.registered("s#0", [5, 6, 7], seed=1, sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                          bits_per_prob=16, on_air_vocab_size=None, max_draft_len=6, tx_marker=False))
+        send(M.schedule(0, "UL", 2, 0.2, 0.0, 5.0))
+        assert recv()[0]["round"] == 0
+        send(M.verdict(0, 2, 11, next_schedule=M.schedule_fields(1, "DL", 3, 0.2, 0.1, 5.0)))
+        h, _ = recv()
+        assert (h["type"], h["round"], h["token"]) == ("report", 0, 11)  # the report before the next draft
+        h, a = recv()
+        assert (h["type"], h["round"], h["mode"], h["last_token"]) == ("draft", 1, "DL", 11) and a["tokens"].size == 3
+        send(M.verdict(1, 3, 12, next_schedule=M.schedule_fields(2, "XX", 2, 0.2, 0.0, 5.0)))
+        h, _ = recv()
+        assert (h["type"], h["round"], h["token"]) == ("report", 1, 12)
+        assert recv(timeout_ms=500) is None  # no draft for a schedule it refused
+        send(M.schedule(2, "UL", 2, 0.2, 0.0, 5.0))
+        h, _ = recv()
+        assert (h["type"], h["round"], h["last_token"]) == ("draft", 2, 12)
+        assert node.dropped_messages == 1
+        send(M.done("test over"))
+        th.join(20)
+        assert result.get("rc") == ExitCode.OK
+    finally:
+        node.close()
+        edge.close(linger=0)

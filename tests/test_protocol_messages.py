@@ -304,3 +304,30 @@ def test_report_carries_a_validated_link_reading():
         h, _ = P.decode(M.report(7, 3, 2, {}, None, link=bad))
         with pytest.raises(ProtocolError, match=field.replace(".", r"\.")):
             M.parse_report(h, 40)
+
+
+def test_register_features_known_ones_kept_others_dropped_and_a_bad_list_refused():
+    h = P.decode(M.register("dev0", 100, {}, features=(M.SCHEDULE_IN_VERDICT,)))[0]
+    assert M.parse_register(h).features == {M.SCHEDULE_IN_VERDICT}
+    assert M.parse_register(P.decode(M.register("dev0", 100, {}))[0]).features == frozenset()  # an older device
+    assert M.parse_register({**h, "features": ["from_the_future", M.SCHEDULE_IN_VERDICT]}).features == {
+        M.SCHEDULE_IN_VERDICT}
+    for bad in ("schedule_in_verdict", [1], ["x"] * (M.MAX_FEATURES + 1), {"a": 1}):
+        with pytest.raises(ProtocolError, match="register.features"):
+            M.parse_register({**h, "features": bad})
+
+
+def test_a_verdict_carries_the_next_schedule_and_the_device_reads_it_as_a_schedule():
+    fields = M.schedule_fields(8, "DL", 3, 0.2, 0.1, 2.5, topk=16)
+    frames = M.verdict(7, 1, 42, next_schedule=fields)
+    h, a = P.decode(frames)
+    v = M.parse_verdict(h, a, draft_len=3, vocab_size=100, bits_per_prob=16, on_air_vocab=None)
+    assert (v.round, v.n_accepted, v.token) == (7, 1, 42)
+    assert M.parse_schedule(M.schedule_in(h), 6, 100) == M.parse_schedule(P.decode(M.schedule(8, "DL", 3, 0.2, 0.1, 2.5,
+                                                                                              topk=16))[0], 6, 100)
+    assert sum(len(f) for f in frames) - M.next_bytes(fields) == sum(len(f) for f in M.verdict(7, 1, 42))
+    assert M.schedule_in(P.decode(M.verdict(7, 1, 42))[0]) is None
+    with pytest.raises(ProtocolError, match="verdict.next"):
+        M.schedule_in({**h, "next": [1, 2]})
+    with pytest.raises(ProtocolError, match="schedule.draft_len"):
+        M.parse_schedule(M.schedule_in({**h, "next": {**fields, "draft_len": 99}}), 6, 100)

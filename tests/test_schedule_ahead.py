@@ -14,6 +14,7 @@ from testbed.launcher import run_live
 from testbed.profile import load_profile
 from testbed.records import load_run
 from testbed.waiting import busy_poll_wanted, wait_readable
+from testbed.wire import messages as M
 
 
 def _profile(pair, channel: str, mode: str, **extra):
@@ -51,6 +52,33 @@ def test_rounds_scheduled_ahead_give_the_same_tokens_and_tile_the_time(micro_pai
     for prev, nxt in zip(ahead, ahead[1:]):
         assert nxt["t_start_s"] == pytest.approx(prev["t_start_s"] + prev["measured"]["round_s"], abs=1e-6)
         assert nxt["edge_phases_s"]["between_s"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_next_schedule_rides_in_the_verdict_of_a_device_that_lists_it(tmp_path):
+    # dev0 lists schedule_in_verdict: after the first round its schedules come inside its verdicts; dev1 (a device
+    # of an older release) gets each as a message of its own, right behind its verdict. Both take every round.
+    from test_edge_faults import ScriptedDevice, make_server
+
+    ep = f"ipc://{tmp_path}/edge"
+    server = make_server(ep, schedule_ahead=True, liveness=25)
+    devices = [ScriptedDevice(ep, "dev0", features=(M.SCHEDULE_IN_VERDICT,)), ScriptedDevice(ep, "dev1")]
+    try:
+        for d in devices:
+            d.start()
+        assert server.wait_for_devices(["dev0", "dev1"], 10.0) == []
+        records = server.run(6)
+    finally:
+        server.close()
+        for d in devices:
+            d.stop.set()
+            d.join(5)
+    new, old = devices
+    assert [r["scheduled_ahead"] for r in records] == [False] + [True] * 5
+    assert not any(r["missed"] for r in records)
+    assert (new.schedules, new.schedules_inside) == (1, 5) and (old.schedules, old.schedules_inside) == (6, 0)
+    # The verdict's bytes in the records leave the schedule inside out (schedules are not charged).
+    for name, d in (("dev0", new), ("dev1", old)):
+        assert [r["devices"][name]["measured"]["dl_bytes"] for r in records] == d.verdict_bytes[:6], name
 
 
 def test_a_dl_correction_waits_for_its_report_before_the_next_round(micro_pair, tmp_path):

@@ -131,7 +131,7 @@ def _check_result(value, path: str = "result") -> None:
     elif isinstance(value, str):
         assert len(value) <= 2000, path
         value.encode("utf-8")
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple, frozenset)):
         for i, x in enumerate(value):
             _check_result(x, f"{path}[{i}]")
     elif isinstance(value, dict):
@@ -372,7 +372,9 @@ def canonical_headers(draw) -> bytes:
         frames = M.schedule(draw(ints), draw(st.sampled_from(["UL", "DL"])), draw(ints), draw(nums), draw(nums),
                             draw(nums), topk=draw(st.one_of(st.none(), ints)))
     elif kind == "verdict":
-        frames = M.verdict(draw(ints), draw(ints), draw(st.one_of(st.none(), ints)))
+        nxt = draw(st.one_of(st.none(), st.builds(M.schedule_fields, ints, st.sampled_from(["UL", "DL"]), ints, nums,
+                                                  nums, nums, st.one_of(st.none(), ints))))
+        frames = M.verdict(draw(ints), draw(ints), draw(st.one_of(st.none(), ints)), next_schedule=nxt)
     elif kind == "report":
         timings = {"correction_s": draw(nums)}
         if draw(st.booleans()):  # a device of a shared host process
@@ -489,7 +491,10 @@ def test_a_rounds_own_headers_take_the_shortcut_to_the_strict_result():
     wire = to_wire_precision(_q(L), 16)
     timings = {"draft_s": 0.0030253099994297372, "compute_s": 0.003, "emulated_extra_s": 0.0, "compute_scale": 1.0}
     for frames in (M.schedule(2, "DL", L, 0.2, 0.0, 3.0), M.schedule(2, "UL", L, 0.2, 0.1, 3.0, topk=5),
-                   M.verdict(4, 2, 17), M.verdict(4, 3, None), M.report(4, 17, 2, {"correction_s": 1e-05}, None),
+                   M.verdict(4, 2, 17), M.verdict(4, 3, None),
+                   M.verdict(4, 2, 17, next_schedule=M.schedule_fields(5, "UL", L, 0.2, 0.0, 3.0)),
+                   M.verdict(4, 4, 9, next_schedule=M.schedule_fields(5, "DL", L, 0.2, 0.1, 3.0, topk=5)),
+                   M.report(4, 17, 2, {"correction_s": 1e-05}, None),
                    M.report(4, 17, 2, {"correction_s": 1e-05, "host_wait_s": 0.0125}, None),
                    M.draft(4, "UL", [1, 7, 49], exact_from_wire(wire), q_wire=wire, last_token=9, bits_per_prob=16,
                            on_air_vocab=ON_AIR, timings=timings),

@@ -206,10 +206,20 @@ def _channel(header: dict, name: str, fields: dict[str, tuple] = CHANNEL_FIELDS,
 
 # --- registration --------------------------------------------------------------------------------
 
-def register(name: str, vocab_size: int, hardware: dict[str, Any]) -> list:
-    """Device -> edge, the first message: the device name (= its routing id), its vocabulary size V and its hardware
-    profile."""
-    return P.encode({"type": P.REGISTER, "name": name, "vocab_size": int(vocab_size), "hardware": hardware})
+# What a device may say it understands (`register.features`); the edge uses a feature only with devices that
+# listed it, so devices of an older release keep working.
+SCHEDULE_IN_VERDICT = "schedule_in_verdict"  # the next round's schedule inside a verdict (`verdict.next`)
+FEATURES = (SCHEDULE_IN_VERDICT,)
+MAX_FEATURES = 16
+
+
+def register(name: str, vocab_size: int, hardware: dict[str, Any], features: tuple[str, ...] = ()) -> list:
+    """Device -> edge, the first message: the device name (= its routing id), its vocabulary size V, its hardware
+    profile and the protocol `features` it understands."""
+    header = {"type": P.REGISTER, "name": name, "vocab_size": int(vocab_size), "hardware": hardware}
+    if features:
+        header["features"] = list(features)
+    return P.encode(header)
 
 
 @dataclass
@@ -219,17 +229,26 @@ class Registration:
     name: str
     vocab_size: int
     hardware: dict
+    features: frozenset[str] = frozenset()  # the known `FEATURES` the device listed
 
 
 def parse_register(header: dict) -> Registration:
-    """Validate a `register` header: name of 1-64 letters, digits, '-', '_', '.'; vocab_size > 0; hardware an object."""
+    """Validate a `register` header: name of 1-64 letters, digits, '-', '_', '.'; vocab_size > 0; hardware an object;
+    features absent or a list of at most MAX_FEATURES texts (names this edge does not know are dropped)."""
     name = _field(header, "name", str, "a non-empty device name")
     if (not name or len(name) > 64 or not name.isascii()
             or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()):
         raise ProtocolError(f"register.name: {P.show(name)} is not allowed; use 1-64 ASCII letters, digits, "
                             "'-', '_', '.'")
     vocab = _field(header, "vocab_size", int, f"an integer in 1..{MAX_VOCAB}", lo=1, hi=MAX_VOCAB)
-    return Registration(name, vocab, _hardware(header.get("hardware")))
+    features = header.get("features")
+    if features is None:
+        features = []
+    elif (not isinstance(features, list) or len(features) > MAX_FEATURES
+          or not all(isinstance(f, str) for f in features)):
+        raise ProtocolError(f"register.features: {P.show(features)} is not allowed; must be a list of at most "
+                            f"{MAX_FEATURES} feature names")
+    return Registration(name, vocab, _hardware(header.get("hardware")), frozenset(features) & frozenset(FEATURES))
 
 
 # Known hardware fields and their types; other scalar fields pass (a device may describe itself more).
@@ -408,11 +427,37 @@ def schedule(round_index: int, mode: str, draft_len: int, ul_power_w: float, dl_
     """Edge -> device at the start of a round: mode, draft length L, UL and DL power (W), the draft deadline (s)
     and, for a top-k round (`payload_format: topk`), k: draft from q truncated to its top k (and in UL mode
     upload it as k pairs per position)."""
-    header = {"type": P.SCHEDULE, "round": int(round_index), "mode": mode, "draft_len": int(draft_len),
-              "ul_power_w": float(ul_power_w), "dl_power_w": float(dl_power_w), "deadline_s": float(deadline_s)}
+    return schedule_of(schedule_fields(round_index, mode, draft_len, ul_power_w, dl_power_w, deadline_s, topk))
+
+
+def schedule_of(fields: dict) -> list:
+    """A `schedule` message of `schedule_fields`."""
+    return P.encode({"type": P.SCHEDULE, **fields})
+
+
+def schedule_fields(round_index: int, mode: str, draft_len: int, ul_power_w: float, dl_power_w: float,
+                    deadline_s: float, topk: int | None = None) -> dict:
+    """A schedule's fields (no type): a `schedule` message's, or a verdict's `next`."""
+    fields = {"round": int(round_index), "mode": mode, "draft_len": int(draft_len), "ul_power_w": float(ul_power_w),
+              "dl_power_w": float(dl_power_w), "deadline_s": float(deadline_s)}
     if topk is not None:
-        header["topk"] = int(topk)
-    return P.encode(header)
+        fields["topk"] = int(topk)
+    return fields
+
+
+def next_bytes(fields: dict) -> int:
+    """The bytes a verdict's `next` (these schedule fields) adds to its header."""
+    return len(P.encode_header({"next": fields})) - len(P.encode_header({}))
+
+
+def schedule_in(header: dict) -> dict | None:
+    """A verdict's `next` as a `schedule` header for `parse_schedule`; None when it has none."""
+    nxt = header.get("next")
+    if nxt is None:
+        return None
+    if not isinstance(nxt, dict):
+        raise ProtocolError(f"verdict.next: {P.show(nxt)} is not allowed; must be a schedule's fields or absent")
+    return {**nxt, "type": P.SCHEDULE}
 
 
 @dataclass
@@ -607,11 +652,16 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
 # --- verdict -------------------------------------------------------------------------------------
 
 def verdict(round_index: int, n_accepted: int, token: int | None, *, p_row=None, bits_per_prob: int = 16,
-            on_air_vocab: int | None = None) -> list:
-    """`p_row`: the wire row of p_j (the edge verified with exact_from_wire of it; so will the device)."""
+            on_air_vocab: int | None = None, next_schedule: dict | None = None) -> list:
+    """`p_row`: the wire row of p_j (the edge verified with exact_from_wire of it; so will the device).
+    `next_schedule`: the next round's `schedule_fields`, sent inside the verdict (`verdict.next`) to a device that
+    listed `SCHEDULE_IN_VERDICT`."""
     arrays = {} if p_row is None else {"p": P.to_wire(p_row, bits_per_prob, on_air_vocab)}
-    return P.encode({"type": P.VERDICT, "air": "dl", "round": int(round_index), "n_accepted": int(n_accepted),
-                     "token": None if token is None else int(token)}, arrays)
+    header = {"type": P.VERDICT, "air": "dl", "round": int(round_index), "n_accepted": int(n_accepted),
+              "token": None if token is None else int(token)}
+    if next_schedule is not None:
+        header["next"] = next_schedule
+    return P.encode(header, arrays)
 
 
 def dropped(round_index: int, reason: str) -> list:

@@ -275,12 +275,13 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
 # text (an emulator's annotation, a link reading, a top-k upload, a peer's own spelling) takes the strict way.
 _INT = rb"(0|[1-9][0-9]{0,17})"
 _NUM = rb"(-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]{1,25})?(?:[eE][-+]?[0-9]{1,2})?)"
+# A schedule's fields, in a `schedule` or in a verdict's `next` (7 groups; the last, topk, optional).
+_SCHEDULE_FIELDS = (rb'"round":' + _INT + rb',"mode":"(UL|DL)","draft_len":' + _INT + rb',"ul_power_w":' + _NUM
+                    + rb',"dl_power_w":' + _NUM + rb',"deadline_s":' + _NUM + rb'(?:,"topk":' + _INT + rb')?')
 _CANONICAL = {
-    b"schedule": re.compile(rb'\{"v":1,"type":"schedule","round":' + _INT + rb',"mode":"(UL|DL)","draft_len":' + _INT
-                            + rb',"ul_power_w":' + _NUM + rb',"dl_power_w":' + _NUM + rb',"deadline_s":' + _NUM
-                            + rb'(?:,"topk":' + _INT + rb')?\}'),
+    b"schedule": re.compile(rb'\{"v":1,"type":"schedule",' + _SCHEDULE_FIELDS + rb'\}'),
     b"verdict": re.compile(rb'\{"v":1,"type":"verdict","air":"dl","round":' + _INT + rb',"n_accepted":' + _INT
-                           + rb',"token":(?:null|' + _INT + rb')\}'),
+                           + rb',"token":(?:null|' + _INT + rb')(?:,"next":\{' + _SCHEDULE_FIELDS + rb'\})?\}'),
     b"report": re.compile(rb'\{"v":1,"type":"report","round":' + _INT + rb',"token":' + _INT + rb',"n_accepted":'
                           + _INT + rb',"timings":\{"correction_s":' + _NUM + rb'(?:,"host_wait_s":' + _NUM
                           + rb')?\},"dl_channel":null\}'),
@@ -293,6 +294,15 @@ _CANONICAL = {
                          + rb'(?:,' + _INT + rb')?\]\}\]\}'),
 }
 _CANONICAL_PREFIX = b'{"v":1,"type":"'
+
+
+def _schedule_fields(g: tuple) -> dict[str, Any]:
+    """The dict of a `_SCHEDULE_FIELDS` match's 7 groups."""
+    h = {"round": int(g[0]), "mode": g[1].decode(), "draft_len": int(g[2]), "ul_power_w": _number(g[3]),
+         "dl_power_w": _number(g[4]), "deadline_s": _number(g[5])}
+    if g[6] is not None:
+        h["topk"] = int(g[6])
+    return h
 
 
 def _number(text: bytes) -> int | float:
@@ -317,14 +327,13 @@ def _canonical(frame) -> dict[str, Any] | None:
     kind, m = found
     g = m.groups()
     if kind == b"schedule":
-        h = {"v": 1, "type": "schedule", "round": int(g[0]), "mode": g[1].decode(), "draft_len": int(g[2]),
-             "ul_power_w": _number(g[3]), "dl_power_w": _number(g[4]), "deadline_s": _number(g[5])}
-        if g[6] is not None:
-            h["topk"] = int(g[6])
-        return h
+        return {"v": 1, "type": "schedule", **_schedule_fields(g)}
     if kind == b"verdict":
-        return {"v": 1, "type": "verdict", "air": "dl", "round": int(g[0]), "n_accepted": int(g[1]),
-                "token": None if g[2] is None else int(g[2])}
+        h = {"v": 1, "type": "verdict", "air": "dl", "round": int(g[0]), "n_accepted": int(g[1]),
+             "token": None if g[2] is None else int(g[2])}
+        if g[3] is not None:
+            h["next"] = _schedule_fields(g[3:])
+        return h
     if kind == b"report":
         timings = {"correction_s": _number(g[3])}
         if g[4] is not None:

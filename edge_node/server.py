@@ -914,8 +914,10 @@ class EdgeServer:
             self._ahead = self._schedule_ahead(cur, outcomes)
             return self._ahead
 
-        outcomes, verify_s, _, cur.reply_descheduled_s = self.verify_batch({n: cur for n in present},
-                                                                           after_verdicts=after_verdicts)
+        # Only where rounds can go ahead are all verdicts decided before the first goes out: through an
+        # emulator each goes out as decided, its air time overlapping the next device's decision.
+        outcomes, verify_s, _, cur.reply_descheduled_s = self.verify_batch(
+            {n: cur for n in present}, after_verdicts=after_verdicts if self.schedule_ahead else None)
         return outcomes, verify_s
 
     def verify_batch(self, rounds: dict[str, RoundInFlight], before_verdicts=None, after_verdicts=None

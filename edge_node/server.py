@@ -942,19 +942,27 @@ class EdgeServer:
         if before_verdicts is not None:
             before_verdicts()
         outcomes, verdicts, replies = {}, {}, {}
+
+        def unverifiable(name, exc):  # one device's data must not cost the others their round
+            outcomes.pop(name, None)
+            verdicts.pop(name, None)
+            self._unverifiable(rounds[name], name, exc)
+
         for name, lg in zip(names, logits):
             try:
                 outcomes[name], verdicts[name], replies[name] = self._decide(rounds[name], name, lg)
-            except Exception as exc:  # one device's data must not cost the others their round
-                self._unverifiable(rounds[name], name, exc)
-                continue
-            if after_verdicts is None:
-                self._send_verdict(name, outcomes[name], replies[name])
+                if after_verdicts is None:
+                    self._send_verdict(name, outcomes[name], replies[name])
+            except Exception as exc:
+                unverifiable(name, exc)
         if after_verdicts is not None:
             # The next round's schedules with the verdicts, before the commits: the devices draft on meanwhile.
             nxt = after_verdicts(outcomes)
-            for name, o in outcomes.items():
-                self._send_verdict(name, o, replies[name], nxt)
+            for name in list(outcomes):
+                try:
+                    self._send_verdict(name, outcomes[name], replies[name], nxt)
+                except Exception as exc:
+                    unverifiable(name, exc)
         for name, verdict in verdicts.items():
             cur = rounds[name]
             try:

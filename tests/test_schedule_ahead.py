@@ -81,6 +81,44 @@ def test_the_next_schedule_rides_in_the_verdict_of_a_device_that_lists_it(tmp_pa
         assert [r["devices"][name]["measured"]["dl_bytes"] for r in records] == d.verdict_bytes[:6], name
 
 
+def test_a_verdict_that_cannot_be_sent_costs_its_device_only(tmp_path, monkeypatch):
+    # Verdicts scheduled ahead go out after every verdict is decided: one that fails to build ends its device's
+    # session (as an unverifiable draft does), and the other device's rounds go on.
+    from test_edge_faults import ScriptedDevice, make_server
+
+    import edge_node.server as server_module
+
+    build = M.verdict
+
+    def failing(round_index, *args, **kwargs):
+        if round_index == 2 and failing.once:
+            failing.once = False
+            raise ValueError("simulated failure")
+        return build(round_index, *args, **kwargs)
+
+    failing.once = True
+    monkeypatch.setattr(server_module.M, "verdict", failing)
+    ep = f"ipc://{tmp_path}/edge"
+    server = make_server(ep, schedule_ahead=True, liveness=25)
+    devices = [ScriptedDevice(ep, name, features=(M.SCHEDULE_IN_VERDICT,)) for name in ("dev0", "dev1")]
+    try:
+        for d in devices:
+            d.start()
+        assert server.wait_for_devices(["dev0", "dev1"], 10.0) == []
+        records = server.run(5)
+    finally:
+        server.close()
+        for d in devices:
+            d.stop.set()
+            d.join(5)
+    assert len(records) == 5 and not failing.once
+    # dev0's verdict of round 2 failed (the first built): it misses round 2 and round 3, scheduled with that
+    # verdict, and is gone after; dev1 takes every round.
+    assert [r["missed"] for r in records] == [[], [], ["dev0"], ["dev0"], []]
+    assert sorted(records[4]["devices"]) == ["dev1"] and "dev0" not in server.sessions
+    assert [r["scheduled_ahead"] for r in records] == [False, True, True, True, False]
+
+
 def test_a_dl_correction_waits_for_its_report_before_the_next_round(micro_pair, tmp_path):
     _, ul, ul_out = _run(_profile(micro_pair, "passthrough", "UL"), tmp_path / "ul")
     _, dl, dl_out = _run(_profile(micro_pair, "passthrough", "DL"), tmp_path / "dl")

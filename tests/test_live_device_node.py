@@ -4,6 +4,7 @@ ZeroMQ sockets on ipc://)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -14,32 +15,49 @@ from testbed.wire import messages as M
 from testbed.wire import protocol as P
 
 
-def test_device_node_protocol(micro_pair, tmp_path):
-    from device_node.drafter import OnnxDrafter
-    from device_node.hardware import load_hardware
+@contextlib.contextmanager
+def device_against_test_edge(tmp_path, name: str, drafter, hardware=None):
+    """A DeviceNode in a thread against a ROUTER the test drives: yields (node, recv, send). `recv(timeout_ms,
+    expect=True)` returns the next message decoded (None after the timeout when not `expect`). At the end the
+    edge says `bye` and the device must exit OK."""
     from device_node.node import DeviceNode
 
     ep = f"ipc://{tmp_path}/edge"
-    ctx = zmq.Context.instance()
-    edge = ctx.socket(zmq.ROUTER)
+    edge = zmq.Context.instance().socket(zmq.ROUTER)
     edge.setsockopt(zmq.LINGER, 0)
     edge.bind(ep)
-    drafter = OnnxDrafter(micro_pair.draft_onnx)
-    node = DeviceNode(ep, "dev-x", drafter, load_hardware("edge-class"), register_timeout_s=20, idle_timeout_s=20)
+    node = DeviceNode(ep, name, drafter, hardware, register_timeout_s=20, idle_timeout_s=20)
     result = {}
     th = threading.Thread(target=lambda: result.setdefault("rc", node.run()), daemon=True)
     th.start()
 
-    def recv():
-        assert edge.poll(20_000), "device did not answer"
+    def recv(timeout_ms=20_000, expect=True):
+        if not edge.poll(timeout_ms):
+            assert not expect, "device did not answer"
+            return None
         ident, *frames = edge.recv_multipart()
-        assert ident == b"dev-x"
+        assert ident == name.encode()
         return P.decode(frames)
 
     def send(frames):
-        edge.send_multipart([b"dev-x", *frames])
+        edge.send_multipart([name.encode(), *frames])
 
     try:
+        yield node, recv, send
+        send(M.done("test over"))
+        th.join(20)
+        assert result.get("rc") == ExitCode.OK
+    finally:
+        node.close()
+        edge.close(linger=0)
+
+
+def test_device_node_protocol(micro_pair, tmp_path):
+    from device_node.drafter import OnnxDrafter
+    from device_node.hardware import load_hardware
+
+    drafter = OnnxDrafter(micro_pair.draft_onnx)
+    with device_against_test_edge(tmp_path, "dev-x", drafter, load_hardware("edge-class")) as (_, recv, send):
         h, _ = recv()
         assert h["type"] == "register" and h["vocab_size"] == drafter.vocab_size
         prompt = [5, 6, 7, 8]
@@ -72,12 +90,6 @@ def test_device_node_protocol(micro_pair, tmp_path):
         send(M.schedule(1, "UL", 2, 0.2, 0.0, 5.0))
         h, a = recv()
         assert h["last_token"] == target and h["round"] == 1
-        send(M.done("test over"))
-        th.join(20)
-        assert result.get("rc") == ExitCode.OK
-    finally:
-        node.close()
-        edge.close(linger=0)
 
 
 def test_device_without_an_edge_exits_with_no_edge(micro_pair, tmp_path):
@@ -95,27 +107,8 @@ def test_device_node_drafts_the_schedule_inside_a_verdict(micro_pair, tmp_path):
     # A device lists schedule_in_verdict; a verdict that carries the next round's schedule (`next`) is reported,
     # then drafted at once; a malformed `next` costs that schedule only (the report still comes).
     from device_node.drafter import OnnxDrafter
-    from device_node.node import DeviceNode
 
-    ep = f"ipc://{tmp_path}/edge"
-    edge = zmq.Context.instance().socket(zmq.ROUTER)
-    edge.setsockopt(zmq.LINGER, 0)
-    edge.bind(ep)
-    node = DeviceNode(ep, "dev-y", OnnxDrafter(micro_pair.draft_onnx), register_timeout_s=20, idle_timeout_s=20)
-    result = {}
-    th = threading.Thread(target=lambda: result.setdefault("rc", node.run()), daemon=True)
-    th.start()
-
-    def recv(timeout_ms=20_000):
-        if not edge.poll(timeout_ms):
-            return None
-        _, *frames = edge.recv_multipart()
-        return P.decode(frames)
-
-    def send(frames):
-        edge.send_multipart([b"dev-y", *frames])
-
-    try:
+    with device_against_test_edge(tmp_path, "dev-y", OnnxDrafter(micro_pair.draft_onnx)) as (node, recv, send):
         h, _ = recv()
         assert M.parse_register(h).features == {M.SCHEDULE_IN_VERDICT}
         send(M.registered("s#0", [5, 6, 7], seed=1, sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0},
@@ -130,14 +123,8 @@ def test_device_node_drafts_the_schedule_inside_a_verdict(micro_pair, tmp_path):
         send(M.verdict(1, 3, 12, next_schedule=M.schedule_fields(2, "XX", 2, 0.2, 0.0, 5.0)))
         h, _ = recv()
         assert (h["type"], h["round"], h["token"]) == ("report", 1, 12)
-        assert recv(timeout_ms=500) is None  # no draft for a schedule it refused
+        assert recv(timeout_ms=500, expect=False) is None  # no draft for a schedule it refused
         send(M.schedule(2, "UL", 2, 0.2, 0.0, 5.0))
         h, _ = recv()
         assert (h["type"], h["round"], h["last_token"]) == ("draft", 2, 12)
         assert node.dropped_messages == 1
-        send(M.done("test over"))
-        th.join(20)
-        assert result.get("rc") == ExitCode.OK
-    finally:
-        node.close()
-        edge.close(linger=0)

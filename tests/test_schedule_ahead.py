@@ -54,25 +54,31 @@ def test_rounds_scheduled_ahead_give_the_same_tokens_and_tile_the_time(micro_pai
         assert nxt["edge_phases_s"]["between_s"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_the_next_schedule_rides_in_the_verdict_of_a_device_that_lists_it(tmp_path):
-    # dev0 lists schedule_in_verdict: after the first round its schedules come inside its verdicts; dev1 (a device
-    # of an older release) gets each as a message of its own, right behind its verdict. Both take every round.
+def _scripted_rounds(tmp_path, rounds: int, features: list[tuple]):
+    """`rounds` pass-through rounds scheduled ahead with scripted devices dev0, dev1, ... listing `features`;
+    the records, the (closed) edge and the devices."""
     from test_edge_faults import ScriptedDevice, make_server
 
     ep = f"ipc://{tmp_path}/edge"
-    server = make_server(ep, schedule_ahead=True, liveness=25)
-    devices = [ScriptedDevice(ep, "dev0", features=(M.SCHEDULE_IN_VERDICT,)), ScriptedDevice(ep, "dev1")]
+    server = make_server(ep, names=[f"dev{i}" for i in range(len(features))], schedule_ahead=True, liveness=25)
+    devices = [ScriptedDevice(ep, f"dev{i}", features=f) for i, f in enumerate(features)]
     try:
         for d in devices:
             d.start()
-        assert server.wait_for_devices(["dev0", "dev1"], 10.0) == []
-        records = server.run(6)
+        assert server.wait_for_devices([d.name for d in devices], 10.0) == []
+        records = server.run(rounds)
     finally:
         server.close()
         for d in devices:
             d.stop.set()
             d.join(5)
-    new, old = devices
+    return records, server, devices
+
+
+def test_the_next_schedule_rides_in_the_verdict_of_a_device_that_lists_it(tmp_path):
+    # dev0 lists schedule_in_verdict: after the first round its schedules come inside its verdicts; dev1 (a device
+    # of an older release) gets each as a message of its own, right behind its verdict. Both take every round.
+    records, _, (new, old) = _scripted_rounds(tmp_path, 6, [(M.SCHEDULE_IN_VERDICT,), ()])
     assert [r["scheduled_ahead"] for r in records] == [False] + [True] * 5
     assert not any(r["missed"] for r in records)
     assert (new.schedules, new.schedules_inside) == (1, 5) and (old.schedules, old.schedules_inside) == (6, 0)
@@ -84,8 +90,6 @@ def test_the_next_schedule_rides_in_the_verdict_of_a_device_that_lists_it(tmp_pa
 def test_a_verdict_that_cannot_be_sent_costs_its_device_only(tmp_path, monkeypatch):
     # Verdicts scheduled ahead go out after every verdict is decided: one that fails to build ends its device's
     # session (as an unverifiable draft does), and the other device's rounds go on.
-    from test_edge_faults import ScriptedDevice, make_server
-
     import edge_node.server as server_module
 
     build = M.verdict
@@ -98,19 +102,7 @@ def test_a_verdict_that_cannot_be_sent_costs_its_device_only(tmp_path, monkeypat
 
     failing.once = True
     monkeypatch.setattr(server_module.M, "verdict", failing)
-    ep = f"ipc://{tmp_path}/edge"
-    server = make_server(ep, schedule_ahead=True, liveness=25)
-    devices = [ScriptedDevice(ep, name, features=(M.SCHEDULE_IN_VERDICT,)) for name in ("dev0", "dev1")]
-    try:
-        for d in devices:
-            d.start()
-        assert server.wait_for_devices(["dev0", "dev1"], 10.0) == []
-        records = server.run(5)
-    finally:
-        server.close()
-        for d in devices:
-            d.stop.set()
-            d.join(5)
+    records, server, _ = _scripted_rounds(tmp_path, 5, [(M.SCHEDULE_IN_VERDICT,)] * 2)
     assert len(records) == 5 and not failing.once
     # dev0's verdict of round 2 failed (the first built): it misses round 2 and round 3, scheduled with that
     # verdict, and is gone after; dev1 takes every round.

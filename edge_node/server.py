@@ -853,7 +853,7 @@ class EdgeServer:
     # schedule
     def _schedule(self, r: int, rp: RoundPlan, plan_s: float, send: bool = True) -> RoundInFlight:
         """Give the channel emulator the plan's rates (which also proves it answers), then send each
-        device its schedule (with `send`; else the caller sends them, `schedule_fields`)."""
+        device its schedule (with `send`; else the caller sends them, `_schedule_fields`)."""
         if self.channel is not None:
             self._channel_call("configure", self.channel.configure, round=r, links=channel_links(rp),
                                dl_access=rp.scenario.dl_access, base_latency_s=self.base_latency_s)
@@ -863,11 +863,11 @@ class EdgeServer:
         self._round = cur
         if send:
             for name in cur.schedule:
-                self._send(name, M.schedule_of(self.schedule_fields(cur, name)))
+                self._send(name, M.schedule_of(self._schedule_fields(cur, name)))
             timeline.stamp("edge: schedules sent")
         return cur
 
-    def schedule_fields(self, cur: RoundInFlight, name: str) -> dict:
+    def _schedule_fields(self, cur: RoundInFlight, name: str) -> dict:
         """`name`'s schedule of round `cur` (`messages.schedule_fields`)."""
         slot = cur.schedule[name]
         return M.schedule_fields(cur.index, slot.mode, slot.draft_len, slot.ul_power_w or 0.0, slot.dl_power_w or 0.0,
@@ -1008,7 +1008,7 @@ class EdgeServer:
         (a schedule inside not counted: schedules are not charged)."""
         scheduled = nxt is not None and name in nxt.schedule
         inside = scheduled and M.SCHEDULE_IN_VERDICT in self.sessions[name].features
-        fields = self.schedule_fields(nxt, name) if scheduled else None
+        fields = self._schedule_fields(nxt, name) if scheduled else None
         frames = M.verdict(**reply, next_schedule=fields if inside else None)
         o.t_verdict = time.monotonic()
         timeline.stamp("edge: verdict encoded", o.t_verdict)

@@ -29,6 +29,9 @@ The machine's load moves all of these (2 shared cores): compare runs made side b
 (`testbed.timeline`) and prints, from the edge's verdict to its next verification, when each step happened
 (the median over rounds) and how long after the step before: each message's encode, send, trip, decode and
 check, on the critical path or beside it.
+
+Last, the host's penalty on a small step run right after a pause (`tools/bench_cold.py`, 5 ms): on a shared
+virtual machine each of the testbed's steps pays it, which is most of the overhead there (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ def main(argv=None) -> int:
                     help="the live run's busy_poll setting (default auto, as multispin run)")
     ap.add_argument("--timeline", action="store_true",
                     help="also stamp each step in both processes (testbed.timeline) and print a round's timeline")
+    ap.add_argument("--no-cold-probe", action="store_true",
+                    help="skip the host's cold-step probe (tools/bench_cold.py, about 3 s) after the runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -180,6 +185,8 @@ def main(argv=None) -> int:
     if stamps_dir is not None:
         result["timeline_ms"] = round_timeline(timeline.take() + timeline.load(stamps_dir))
         shutil.rmtree(stamps_dir, ignore_errors=True)
+    if not args.no_cold_probe:
+        result["cold_step_ratio_5ms"] = cold_step_ratio()
     first = result["transports"][variants[0]]
     result["median_ratio"], result["median_overhead_ms_per_round"] = (first["median_ratio"],
                                                                       first["median_overhead_ms_per_round"])
@@ -189,7 +196,18 @@ def main(argv=None) -> int:
         print_result(args, result, results)
         if "timeline_ms" in result:
             print_timeline(result["timeline_ms"])
+        if "cold_step_ratio_5ms" in result:
+            print(f"  this host: a step right after a 5 ms pause took {result['cold_step_ratio_5ms']:.1f}x its "
+                  "back-to-back time (median of tools/bench_cold.py's steps)")
     return 0
+
+
+def cold_step_ratio() -> float:
+    """The host's penalty on a step run after a pause (`bench_cold`): the testbed has more such steps per round."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_cold import cold_ratio, measure
+
+    return cold_ratio(measure([5.0], samples=60), 5.0)
 
 
 def round_timeline(events: list) -> list[dict]:

@@ -66,15 +66,22 @@ def test_virtual_and_real_mode_give_the_same_phase_times(micro_pair, tmp_path):
     virt, real = runs["virtual"], runs["real"]
     assert len(virt) == len(real) == 10
     assert {r["time_base"] for r in virt} == {"virtual"} and {r["time_base"] for r in real} == {"wall"}
+    airs = []  # (virtual, real) air time of each upload
     for rv, rr in zip(virt, real):  # the same seeds: the same schedules, rates and outcomes
         for name in ("d0", "d1", "d2"):
             dv, dr = rv["devices"][name], rr["devices"][name]
             assert dv["n_accepted"] == dr["n_accepted"]
             assert dv["predicted"]["ul_rate_bps"] == pytest.approx(dr["predicted"]["ul_rate_bps"])
-            assert dv["measured"]["ul_air_s"] == pytest.approx(dr["measured"]["ul_air_s"], rel=0.05, abs=1e-3)
+            airs.append((dv["measured"]["ul_air_s"], dr["measured"]["ul_air_s"]))
         # Virtual: the round took far less wall time than its virtual time (nothing was held).
         assert rv["measured"]["wall_round_s"] < rv["measured"]["round_s"]
         assert rv["measured"]["goodput_tps"] == pytest.approx(rv["measured"]["tokens"] / rv["measured"]["round_s"])
+    # A real-mode air time is the emulator's hold (air + queueing + base latency + its lateness): never
+    # shorter than the virtual one, and longer only when the shared host woke the emulator late, now and
+    # then (one upload of 30 by 8 ms, seen once in a full test run); a wrong rate would move them all.
+    assert not [(v, r) for v, r in airs if r < 0.95 * v - 1e-3], airs
+    assert len([(v, r) for v, r in airs if r > 1.05 * v + 1e-3]) <= len(airs) // 10, airs
+    assert float(np.median([r / v for v, r in airs])) == pytest.approx(1.0, abs=0.05)
     air = np.median([d["measured"]["ul_air_s"] for r in real for d in r["devices"].values()])
     assert 0.02 < air < 0.12  # the channel this test is about: air time dominates
     misses = _phase_misses(virt, real)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,9 +151,7 @@ def measure(pauses_ms: list[float], samples: int, peer_seconds: float = 120.0) -
         for sock in (router, dealer):
             sock.close(linger=0)
         ctx.term()
-        for name in os.listdir(folder):
-            os.unlink(os.path.join(folder, name))
-        os.rmdir(folder)
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 

@@ -96,7 +96,7 @@ def round_steps(router, dealer, ident: bytes) -> dict:
     def verdict_parse():
         header, arrays = P.decode(verdict_in)
         M.parse_verdict(header, arrays, draft_len=L, vocab_size=V, bits_per_prob=16, on_air_vocab=None)
-        M.parse_schedule({"type": P.SCHEDULE, **M.schedule_in(header)}, 8, V)
+        M.parse_schedule(M.schedule_in(header), 8, V)  # schedule_in gives it its type
 
     def draft_parse():
         header, arrays = P.decode(draft_in)

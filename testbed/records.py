@@ -143,8 +143,14 @@ class _JsonLines:
             while view:
                 view = view[os.write(fd, view):]
         except BaseException:  # ENOSPC, EIO, or a signal mid-write: leave no partial line behind
+            # The file says how much was written: a signal handler may raise after the last write returned
+            # (the line whole, and maybe read already), which must not cut it back.
             try:
-                os.ftruncate(fd, self.size)
+                if os.fstat(fd).st_size == self.size + len(data):
+                    self.size += len(data)
+                    self.dirty = True
+                else:
+                    os.ftruncate(fd, self.size)
             except OSError:
                 pass
             raise
@@ -254,12 +260,15 @@ class RunRecorder:
             log.debug("round %s is recorded already", r)  # a write repeated after an interrupted one
             return
         t = time.perf_counter()
+        size = self._rounds_log.size
         try:
             self._rounds_log.append((_line(record) + "\n").encode())
         except OSError as exc:
             raise unwritable(self.dir, exc) from None
-        self.count += 1
-        self.last_round = r
+        finally:
+            if self._rounds_log.size != size:  # the line is in, even where a signal came right after it
+                self.count += 1
+                self.last_round = r
         self._sync_due()
         self.write_s += time.perf_counter() - t
 

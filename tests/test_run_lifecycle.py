@@ -422,6 +422,29 @@ def test_a_signal_during_fsync_keeps_the_whole_line_it_interrupted(tmp_path, mon
     assert (tmp_path / "rounds.jsonl").read_text() == '{"round":0,"x":1}\n'
 
 
+def test_a_signal_right_after_the_write_keeps_the_line_and_the_retry_adds_none(tmp_path, monkeypatch):
+    # CI: a run stopped by SIGTERM had 3 lines when the test read them and 2 after; the handler had raised
+    # between the last os.write and the recorder's bookkeeping, and the line was cut back as if torn.
+    rec = RunRecorder(tmp_path)
+    real_write = os.write
+
+    def write_then_signal(fd, data):
+        n = real_write(fd, data)
+        raise RunInterrupted(signal.SIGTERM) if n == len(data) else AssertionError("a short write")
+
+    monkeypatch.setattr(os, "write", write_then_signal)
+    with pytest.raises(RunInterrupted):
+        rec.append_round({"round": 0, "x": 1})
+    monkeypatch.undo()
+    assert (tmp_path / "rounds.jsonl").read_text() == '{"round":0,"x":1}\n'  # as a reader may have seen it
+    assert rec.last_round == 0
+    rec.append_round({"round": 0, "x": 1})  # the retry of the shutdown path is a no-op
+    rec.append_round({"round": 1, "x": 2})
+    rec.close()
+    assert (tmp_path / "rounds.jsonl").read_text() == '{"round":0,"x":1}\n{"round":1,"x":2}\n'
+    assert rec.count == 2
+
+
 def test_sigterm_raises_run_interrupted_once_then_the_shutdown_is_shielded():
     with interrupt_signals() as guard:
         with pytest.raises(RunInterrupted) as exc:

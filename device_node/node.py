@@ -33,6 +33,7 @@ link both ways on its own clock (`edge_node.probing`).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import sys
@@ -49,7 +50,7 @@ from device_node.options import EPILOG, ExitCode, add_arguments
 from testbed import timeline
 from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
 from testbed.security import ClientKeys, SecurityError, make_client
-from testbed.waiting import wait_readable
+from testbed.waiting import rehearsal_wanted, wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -76,6 +77,7 @@ class DeviceNode:
         # Several devices in one process (`device_node.host`) handle their messages one at a time.
         self.gate = gate or OPEN
         self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
+        self.rehearsing = busy_poll and rehearsal_wanted()
         self.link_probe = link_probe
         self.hardware = hardware or HardwareProfile()
         self.register_timeout_s, self.idle_timeout_s = register_timeout_s, idle_timeout_s
@@ -99,6 +101,9 @@ class DeviceNode:
         # A shared host's wait for the message in hand: received -> its handling began (`_serve`).
         self._gate_wait_s = 0.0
         self._t_recv = 0.0  # when the message in hand was received (monotonic; `testbed.timeline`)
+        self._frames_in: list = []  # the message in hand (a verdict's are kept for `_rehearse`)
+        self._rehearse = None  # reruns the last verdict's decode and checks while busy-polling (`testbed.waiting`)
+        self.rehearsals = 0
 
     # -- transport ------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -238,7 +243,7 @@ class DeviceNode:
                            self.liveness * self.heartbeat_s - (now - self.last_heard))
             # Poll even when the window is over: after a pause (SIGSTOP, a slow draft) messages may be
             # waiting, and they prove the edge alive.
-            if wait_readable(self.sock, wait, busy=self.busy_poll):
+            if wait_readable(self.sock, wait, busy=self.busy_poll, rehearse=self._rehearse):
                 frames = self.sock.recv_multipart(copy=False)
                 self._t_recv = time.monotonic()
                 t_recv = time.perf_counter()
@@ -260,6 +265,7 @@ class DeviceNode:
         """One received message, under a guard: whatever it holds, the device keeps serving. Returns an exit
         code when the session ends."""
         kind = "malformed"
+        self._frames_in = frames
         try:
             header, arrays = P.decode(frames)
             kind = header["type"]
@@ -280,7 +286,8 @@ class DeviceNode:
             elif kind == P.HEARTBEAT or kind == P.TX_START:
                 pass
             elif kind == P.BYE:
-                log.info("%s: done (%s) after %d rounds", self.name, M.parse_bye(header), self.rounds_done)
+                log.info("%s: done (%s) after %d rounds%s", self.name, M.parse_bye(header), self.rounds_done,
+                         f" (rehearsed a verdict's checks {self.rehearsals} times while waiting)" * self.rehearsing)
                 return ExitCode.OK
             elif kind == P.ERROR:
                 err = M.parse_error(header)
@@ -391,9 +398,10 @@ class DeviceNode:
             raise ProtocolError(f"verdict.round: {P.show(header.get('round'))} does not match the round in flight "
                                 f"{None if self.pending is None else self.pending[0].round}")
         sched, draft = self.pending
+        checks = dict(draft_len=sched.draft_len, vocab_size=self.drafter.vocab_size, bits_per_prob=self.bits,
+                      on_air_vocab=self.on_air)
         try:
-            v = M.parse_verdict(header, arrays, draft_len=sched.draft_len, vocab_size=self.drafter.vocab_size,
-                                bits_per_prob=self.bits, on_air_vocab=self.on_air)
+            v = M.parse_verdict(header, arrays, **checks)
             if v.token is None and (sched.mode != "DL" or v.n_accepted >= sched.draft_len):
                 raise ProtocolError(f"verdict: a distribution p for n_accepted={v.n_accepted} in mode {sched.mode}")
         except ProtocolError as exc:
@@ -401,6 +409,8 @@ class DeviceNode:
             self._abandon_round()
             raise ProtocolError(f"{exc}; round {sched.round} dropped") from None
         self.pending = None
+        if self.rehearsing:
+            self._rehearse = functools.partial(self._rehearse_verdict, self._frames_in, checks)
         if v.dropped:
             # The edge dropped this round (deadline missed): forget the drafts, redraft next round.
             log.info("%s: round %d dropped by the edge: %s", self.name, v.round, v.reason)
@@ -427,6 +437,15 @@ class DeviceNode:
         self.committed.extend(draft.tokens[: v.n_accepted] + [token])
         timeline.stamp("device: committed")
         self.rounds_done += 1
+
+    def _rehearse_verdict(self, frames: list, checks: dict) -> None:
+        """A verdict's decode and checks, and those of the schedule inside, on `frames` (one that passed them)."""
+        self.rehearsals += 1
+        header, arrays = P.decode(frames)
+        M.parse_verdict(header, arrays, **checks)
+        nxt = M.schedule_in(header)
+        if nxt is not None:
+            M.parse_schedule(nxt, self.max_draft_len, self.drafter.vocab_size)
 
     def _draft_generator(self, round_index: int):
         """Round `round_index`'s drafting generator: the one made ahead if it is for this round and session."""

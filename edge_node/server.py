@@ -43,6 +43,7 @@ continuous batching), which reuses this server's sockets, sessions, verifier and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -78,7 +79,7 @@ from testbed.core.sampling import (
 )
 from testbed.errors import TestbedError
 from testbed.link_estimate import LinkEstimator
-from testbed.waiting import wait_readable
+from testbed.waiting import rehearsal_wanted, wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -269,7 +270,11 @@ class EdgeServer:
         self._reporting: RoundInFlight | None = None  # the round whose reports come in while `_ahead` drafts
         self._rounds_end = 0  # `run`'s last round + 1: nothing is scheduled ahead past it
         self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
+        self.rehearsing = busy_poll and rehearsal_wanted()
         self._dispatch_clock = ThreadClock()  # restarted for each message (a draft's `handled_s`)
+        self._frames_in: list = []  # the message being handled (a draft's are kept for `_rehearse`)
+        self._rehearse = None  # reruns the last draft's decode and checks while busy-polling (`testbed.waiting`)
+        self.rehearsals = 0
         self.refused = 0
         self.refusals: Counter[str] = Counter()   # reason -> refused messages
         self.device_errors: dict[str, str] = {}  # name -> why the device said it cannot take part
@@ -359,7 +364,7 @@ class EdgeServer:
                 return
             wait = min(left, max(0.0, self._next_tick - time.monotonic()))
             self._free_since = time.monotonic()
-            if not wait_readable(self.sock, max(0.001, wait), busy=self.busy_poll):
+            if not wait_readable(self.sock, max(0.001, wait), busy=self.busy_poll, rehearse=self._rehearse):
                 continue
             if self.drain(stop, limit=DRAIN_BATCH):
                 return
@@ -368,6 +373,7 @@ class EdgeServer:
     def _dispatch(self, frames: list, t_arr: float) -> None:
         """Handle one message; whatever fails costs this message only (an error reply, one log line)."""
         self._dispatch_clock = ThreadClock()
+        self._frames_in = frames
         ident = frames[0].bytes
         if self.limiter is not None and not self.limiter.allow(ident, t_arr):
             # Before anything is decoded, and unanswered: a flood costs a receive and this check. A device's
@@ -640,20 +646,30 @@ class EdgeServer:
             log.info("%s: discarding a draft for round %s (round in flight: %s)", name, P.show(r, 20),
                      None if cur is None else cur.index)
             return
+        slot = cur.schedule[name]
+        checks = dict(mode=slot.mode, draft_len=slot.draft_len, vocab_size=self.vocab, bits_per_prob=self.bits,
+                      on_air_vocab=self.on_air, topk=cur.plan.topk)
         try:
-            d = self._parse_draft(s, cur.schedule[name], header, arrays, via_channel)
+            d = self._parse_draft(s, header, arrays, checks, via_channel)
         except Exception as exc:
             # Its draft will not come: the round goes on without it at once instead of at the deadline.
             cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
             raise
         timeline.stamp("edge: draft checked")
+        if self.rehearsing:
+            self._rehearse = functools.partial(self._rehearse_draft, self._frames_in[1:], checks)
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
         handled_s = max(0.0, time.monotonic() - t_arr - self._dispatch_clock.descheduled_s())
         cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=handled_s)
 
-    def _parse_draft(self, s: Session, slot: DevicePlan, header: dict, arrays: dict, via_channel: bool) -> M.Draft:
-        d = M.parse_draft(header, arrays, mode=slot.mode, draft_len=slot.draft_len, vocab_size=self.vocab,
-                          bits_per_prob=self.bits, on_air_vocab=self.on_air, topk=self._round_of(s.name).plan.topk)
+    def _rehearse_draft(self, frames: list, checks: dict) -> None:
+        """A draft's decode and checks on `frames` (one that passed them), its result dropped."""
+        self.rehearsals += 1
+        header, arrays = P.decode(frames, max_array_bytes=self.max_array_bytes)
+        M.parse_draft(header, arrays, **checks)
+
+    def _parse_draft(self, s: Session, header: dict, arrays: dict, checks: dict, via_channel: bool) -> M.Draft:
+        d = M.parse_draft(header, arrays, **checks)
         expected_last = (s.output_ids or s.prompt_ids)[-1]
         if d.last_token != expected_last:
             raise ProtocolError(f"draft.last_token: {d.last_token} does not match the committed context "

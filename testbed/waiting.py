@@ -5,30 +5,67 @@ wake-up costs 0.3-0.5 ms (measured here: a 100-byte round trip takes 0.12 ms bet
 0.57 ms when the receiver slept), and a round has two such hops plus the slower first instructions of a core
 that idled. Busy-polling trades a core for that latency: worth it only where every polling process has a core
 of its own (`busy_poll_wanted`).
+
+A busy-polling node also rehearses: on this kind of host a step that follows milliseconds of other work (even
+of spinning) runs 2.5-7x slower than back to back (`tools/bench_cold.py`), so while it waits the node reruns,
+on the last message of the kind it waits for, the decode and checks that the next one will take. The edge's
+decode and check of a draft then took 0.26-0.33 ms per round instead of 0.38-0.52 (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Callable
 
 import zmq
+
+log = logging.getLogger(__name__)
 
 BUSY_POLL_CHOICES = ("auto", "on", "off")
 
 
-def wait_readable(sock: zmq.Socket, timeout_s: float, *, busy: bool = False) -> bool:
+# Often enough to keep a step warm (a step after a 0.5 ms spin took 1.2x its time after a 0.1 ms one), rarely
+# enough that a message seldom waits for a rehearsal to end (0.05-0.15 ms).
+REHEARSE_EVERY_S = 5e-4
+REHEARSE_ENV = "MULTISPIN_REHEARSE"
+
+
+def rehearsal_wanted() -> bool:
+    """Whether busy-polling nodes rehearse (`wait_readable`): yes unless MULTISPIN_REHEARSE=off (to measure
+    what it saves, as `tools/bench_overhead.py --rehearse both` does)."""
+    value = os.environ.get(REHEARSE_ENV, "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"{REHEARSE_ENV}={value!r}: must be on or off")
+    return value == "on"
+
+
+def wait_readable(sock: zmq.Socket, timeout_s: float, *, busy: bool = False,
+                  rehearse: Callable[[], object] | None = None) -> bool:
     """Whether `sock` has a message within `timeout_s`. `busy`: poll without sleeping, yielding the core to any
-    other runnable thread between polls (the zmq I/O threads, a recorder's fsync)."""
+    other runnable thread between polls (the zmq I/O threads, a recorder's fsync); then `rehearse`, every
+    `REHEARSE_EVERY_S`, reruns the checks that the expected message will take on the last one of its kind
+    (pure: its result is dropped), so that they find their code and data in the caches when it comes."""
     if not busy:
         return bool(sock.poll(max(0, int(timeout_s * 1000))))
-    end = time.monotonic() + timeout_s
+    now = time.monotonic()
+    end, next_rehearsal = now + timeout_s, now + REHEARSE_EVERY_S
     while True:
         if sock.poll(0):
             return True
-        if time.monotonic() >= end:
+        now = time.monotonic()
+        if now >= end:
             return False
-        os.sched_yield()
+        if rehearse is not None and now >= next_rehearsal:
+            try:
+                rehearse()
+            except Exception:  # a rehearsal only warms the caches: never the wait's business
+                log.debug("a rehearsal failed; not rehearsing in this wait", exc_info=True)
+                rehearse = None
+            next_rehearsal = time.monotonic() + REHEARSE_EVERY_S
+        else:
+            os.sched_yield()
 
 
 def busy_poll_wanted(setting: str, processes: int, cores: int | None = None) -> bool:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -110,6 +111,9 @@ def main(argv=None) -> int:
                     help="CURVE on the edge socket (tcp loopback); both: plain and CURVE side by side")
     ap.add_argument("--busy-poll", choices=["auto", "on", "off"], default="auto",
                     help="the live run's busy_poll setting (default auto, as multispin run)")
+    ap.add_argument("--rehearse", choices=["on", "off", "both"], default="on",
+                    help="busy-polling nodes rehearse a message's checks while they wait (testbed.waiting); "
+                         "both: with and without, side by side")
     ap.add_argument("--timeline", action="store_true",
                     help="also stamp each step in both processes (testbed.timeline) and print a round's timeline")
     ap.add_argument("--no-cold-probe", action="store_true",
@@ -121,6 +125,7 @@ def main(argv=None) -> int:
     from testbed.launcher import load_tokenizer, run_live
     from testbed.profile import load_profile
     from testbed.records import load_run
+    from testbed.waiting import REHEARSE_ENV
 
     paths = pair_paths(args.pair)
     stamps_dir = Path(tempfile.mkdtemp(prefix="ms-bench-timeline-")) if args.timeline else None
@@ -140,9 +145,12 @@ def main(argv=None) -> int:
                      "devices": [{"name": "d0", "distance_m": 100, "draft_time_s": 0.001, "acceptance": 0.65}]},
     }
     keys_dir = Path(tempfile.mkdtemp(prefix="ms-bench-keys-"))
-    variants = {"off": ["ipc"], "on": ["curve"], "both": ["tcp", "curve"]}[args.curve]
-    profiles = {v: load_profile(variant_profile(base, v, keys_dir)) for v in variants}
-    profile = profiles[variants[0]]
+    transports = {"off": ["ipc"], "on": ["curve"], "both": ["tcp", "curve"]}[args.curve]
+    rehearsals = {"on": ["on"], "off": ["off"], "both": ["on", "off"]}[args.rehearse]
+    # variant name -> (its profile, MULTISPIN_REHEARSE for the run: the edge here, the device process inherits it)
+    variants = {t + ("" if r == "on" else "/no-rehearse"): (load_profile(variant_profile(base, t, keys_dir)), r)
+                for t in transports for r in rehearsals}
+    profile = next(iter(variants.values()))[0]
     params = SamplingParams(**profile.sampling.model_dump())
     prompt_ids = load_tokenizer(str(paths.tokenizer)).encode(prompt).ids
 
@@ -156,8 +164,9 @@ def main(argv=None) -> int:
     results, before = [], reference()
     for _rep in range(args.repeats):
         lives = []
-        for variant, prof in profiles.items():
+        for variant, (prof, rehearse) in variants.items():
             writes: list[float] = []  # the recorder's write time, as each round's callback finds it
+            os.environ[REHEARSE_ENV] = rehearse
             with tempfile.TemporaryDirectory() as tmp:
                 run_live(prof, Path(tmp) / "run", progress=False,
                          on_round=lambda rec, server, launcher, w=writes: w.append(server.recorder.write_s))
@@ -173,7 +182,7 @@ def main(argv=None) -> int:
                             "phases_ms": phase_breakdown(records, writes, ref_phases)})
         before = after
     shutil.rmtree(keys_dir, ignore_errors=True)
-    by_transport = {v: [r for r in results if r["transport"] == v] for v in profiles}
+    by_transport = {v: [r for r in results if r["transport"] == v] for v in variants}
     result = {"pair": args.pair, "rounds": args.rounds, "draft_len": args.draft_len, "mode": args.mode,
               "repeats": results,
               "identical_tokens": all(r["identical_tokens"] and r["identical_tokens_after"] for r in results),
@@ -187,7 +196,7 @@ def main(argv=None) -> int:
         shutil.rmtree(stamps_dir, ignore_errors=True)
     if not args.no_cold_probe:
         result["cold_step_ratio_5ms"] = cold_step_ratio()
-    first = result["transports"][variants[0]]
+    first = next(iter(result["transports"].values()))
     result["median_ratio"], result["median_overhead_ms_per_round"] = (first["median_ratio"],
                                                                       first["median_overhead_ms_per_round"])
     if args.json:

@@ -2,7 +2,7 @@
 in-process speculative decoding loop on the same pair, settings, seeds and schedule, side by side.
 
     python tools/bench_overhead.py [--pair default|micro|DIR] [--rounds 40] [--draft-len 4] [--mode UL]
-                                   [--curve off|on|both]
+                                   [--curve off|on|both] [--rehearse on|off|both]
 
 Prints tokens/s of both, their ratio (target >= 0.9) and the per-round overhead in ms, and checks that
 both produced the same tokens (same seeds, same accept/reject code). Each live run is compared with the
@@ -11,7 +11,9 @@ shared machine drifts within a minute. The live run is what `multispin run` does
 pass-through channel schedules each round with the previous round's verdicts, and with a core for the edge
 and one for the device (`busy_poll: auto`) both busy-poll (docs/architecture.md). `--curve on` authenticates and
 encrypts the edge's socket (CURVE, keys made for the run; loopback tcp), `both` measures it beside a plain
-tcp run in the same repetitions, so the cost of security reads off one table.
+tcp run in the same repetitions, so the cost of security reads off one table. `--rehearse both` likewise
+runs the nodes with and without their rehearsals (`testbed.waiting`: a busy-polling node reruns the last
+message's checks while it waits).
 
 Then where the time goes: per phase of a round, the median over rounds (then over repetitions) of the live
 run's times, from its round records (the device's drafting time, the draft's arrival, the edge's phases

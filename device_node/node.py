@@ -33,7 +33,6 @@ link both ways on its own clock (`edge_node.probing`).
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import math
 import sys
@@ -50,7 +49,7 @@ from device_node.options import EPILOG, ExitCode, add_arguments
 from testbed import timeline
 from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
 from testbed.security import ClientKeys, SecurityError, make_client
-from testbed.waiting import rehearsal_wanted, wait_readable
+from testbed.waiting import Rehearsal, wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -77,7 +76,6 @@ class DeviceNode:
         # Several devices in one process (`device_node.host`) handle their messages one at a time.
         self.gate = gate or OPEN
         self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
-        self.rehearsing = busy_poll and rehearsal_wanted()
         self.link_probe = link_probe
         self.hardware = hardware or HardwareProfile()
         self.register_timeout_s, self.idle_timeout_s = register_timeout_s, idle_timeout_s
@@ -101,9 +99,8 @@ class DeviceNode:
         # A shared host's wait for the message in hand: received -> its handling began (`_serve`).
         self._gate_wait_s = 0.0
         self._t_recv = 0.0  # when the message in hand was received (monotonic; `testbed.timeline`)
-        self._frames_in: list = []  # the message in hand (a verdict's are kept for `_rehearse`)
-        self._rehearse = None  # reruns the last verdict's decode and checks while busy-polling (`testbed.waiting`)
-        self.rehearsals = 0
+        self._frames_in: list = []  # the message in hand (a verdict's are kept for `rehearsal`)
+        self.rehearsal = Rehearsal(busy_poll)  # the last verdict's decode and checks, rerun while busy-polling
 
     # -- transport ------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -243,7 +240,7 @@ class DeviceNode:
                            self.liveness * self.heartbeat_s - (now - self.last_heard))
             # Poll even when the window is over: after a pause (SIGSTOP, a slow draft) messages may be
             # waiting, and they prove the edge alive.
-            if wait_readable(self.sock, wait, busy=self.busy_poll, rehearse=self._rehearse):
+            if wait_readable(self.sock, wait, busy=self.busy_poll, rehearse=self.rehearsal.run):
                 frames = self.sock.recv_multipart(copy=False)
                 self._t_recv = time.monotonic()
                 t_recv = time.perf_counter()
@@ -286,8 +283,9 @@ class DeviceNode:
             elif kind == P.HEARTBEAT or kind == P.TX_START:
                 pass
             elif kind == P.BYE:
+                rehearsed = f" (rehearsed a verdict's checks {self.rehearsal.count} times while waiting)"
                 log.info("%s: done (%s) after %d rounds%s", self.name, M.parse_bye(header), self.rounds_done,
-                         f" (rehearsed a verdict's checks {self.rehearsals} times while waiting)" * self.rehearsing)
+                         rehearsed if self.rehearsal.enabled else "")
                 return ExitCode.OK
             elif kind == P.ERROR:
                 err = M.parse_error(header)
@@ -409,8 +407,7 @@ class DeviceNode:
             self._abandon_round()
             raise ProtocolError(f"{exc}; round {sched.round} dropped") from None
         self.pending = None
-        if self.rehearsing:
-            self._rehearse = functools.partial(self._rehearse_verdict, self._frames_in, checks)
+        self.rehearsal.set(self._rehearse_verdict, self._frames_in, checks)
         if v.dropped:
             # The edge dropped this round (deadline missed): forget the drafts, redraft next round.
             log.info("%s: round %d dropped by the edge: %s", self.name, v.round, v.reason)
@@ -440,7 +437,6 @@ class DeviceNode:
 
     def _rehearse_verdict(self, frames: list, checks: dict) -> None:
         """A verdict's decode and checks, and those of the schedule inside, on `frames` (one that passed them)."""
-        self.rehearsals += 1
         header, arrays = P.decode(frames)
         M.parse_verdict(header, arrays, **checks)
         nxt = M.schedule_in(header)

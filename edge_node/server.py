@@ -43,7 +43,6 @@ continuous batching), which reuses this server's sockets, sessions, verifier and
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -79,7 +78,7 @@ from testbed.core.sampling import (
 )
 from testbed.errors import TestbedError
 from testbed.link_estimate import LinkEstimator
-from testbed.waiting import rehearsal_wanted, wait_readable
+from testbed.waiting import Rehearsal, wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -270,11 +269,9 @@ class EdgeServer:
         self._reporting: RoundInFlight | None = None  # the round whose reports come in while `_ahead` drafts
         self._rounds_end = 0  # `run`'s last round + 1: nothing is scheduled ahead past it
         self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
-        self.rehearsing = busy_poll and rehearsal_wanted()
         self._dispatch_clock = ThreadClock()  # restarted for each message (a draft's `handled_s`)
-        self._frames_in: list = []  # the message being handled (a draft's are kept for `_rehearse`)
-        self._rehearse = None  # reruns the last draft's decode and checks while busy-polling (`testbed.waiting`)
-        self.rehearsals = 0
+        self._frames_in: list = []  # the message being handled (a draft's are kept for `rehearsal`)
+        self.rehearsal = Rehearsal(busy_poll)  # the last draft's decode and checks, rerun while busy-polling
         self.refused = 0
         self.refusals: Counter[str] = Counter()   # reason -> refused messages
         self.device_errors: dict[str, str] = {}  # name -> why the device said it cannot take part
@@ -364,7 +361,7 @@ class EdgeServer:
                 return
             wait = min(left, max(0.0, self._next_tick - time.monotonic()))
             self._free_since = time.monotonic()
-            if not wait_readable(self.sock, max(0.001, wait), busy=self.busy_poll, rehearse=self._rehearse):
+            if not wait_readable(self.sock, max(0.001, wait), busy=self.busy_poll, rehearse=self.rehearsal.run):
                 continue
             if self.drain(stop, limit=DRAIN_BATCH):
                 return
@@ -656,15 +653,13 @@ class EdgeServer:
             cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
             raise
         timeline.stamp("edge: draft checked")
-        if self.rehearsing:
-            self._rehearse = functools.partial(self._rehearse_draft, self._frames_in[1:], checks)
+        self.rehearsal.set(self._rehearse_draft, self._frames_in[1:], checks)
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
         handled_s = max(0.0, time.monotonic() - t_arr - self._dispatch_clock.descheduled_s())
         cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=handled_s)
 
     def _rehearse_draft(self, frames: list, checks: dict) -> None:
         """A draft's decode and checks on `frames` (one that passed them), its result dropped."""
-        self.rehearsals += 1
         header, arrays = P.decode(frames, max_array_bytes=self.max_array_bytes)
         M.parse_draft(header, arrays, **checks)
 

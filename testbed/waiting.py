@@ -14,6 +14,7 @@ decode and check of a draft then took 0.26-0.33 ms per round instead of 0.38-0.5
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -39,6 +40,31 @@ def rehearsal_wanted() -> bool:
     if value not in ("on", "off"):
         raise ValueError(f"{REHEARSE_ENV}={value!r}: must be on or off")
     return value == "on"
+
+
+class Rehearsal:
+    """What a busy-polling node reruns while it waits (`wait_readable`): one pure step on the last message of
+    the kind it waits for, set after each such message passed its checks, and how often it ran (`count`). Off
+    unless the node busy-polls and the environment allows it (`rehearsal_wanted`)."""
+
+    def __init__(self, busy_poll: bool):
+        self.enabled = busy_poll and rehearsal_wanted()
+        self.count = 0
+        self._step: Callable[[], object] | None = None
+
+    def set(self, step: Callable[..., object], *args) -> None:
+        """Rehearse `step(*args)` from now on (nothing when off)."""
+        if self.enabled:
+            self._step = functools.partial(step, *args)
+
+    @property
+    def run(self) -> Callable[[], None] | None:
+        """The call for `wait_readable(rehearse=...)`: None until a step is set."""
+        return None if self._step is None else self._run
+
+    def _run(self) -> None:
+        self.count += 1
+        self._step()
 
 
 def wait_readable(sock: zmq.Socket, timeout_s: float, *, busy: bool = False,

@@ -87,9 +87,9 @@ def _run(profile, run_dir):
     seen = {}
 
     def on_round(rec, server, launcher):
-        seen["edge_rehearsals"] = server.rehearsals
-        if server._rehearse is not None:  # a rehearsal between rounds changes nothing the next round sees
-            assert server._rehearse() is None
+        seen["edge_rehearsals"] = server.rehearsal.count
+        if server.rehearsal.run is not None:  # a rehearsal between rounds changes nothing the next round sees
+            assert server.rehearsal.run() is None
 
     run_live(profile, run_dir, progress=False, on_round=on_round)
     _, records = load_run(run_dir)

@@ -23,6 +23,7 @@ is never left for a reader to keep.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -138,25 +139,24 @@ class _JsonLines:
     def append(self, data: bytes) -> None:
         """Write one line (`data` ends with a newline); OSError after cutting a partial write back."""
         fd = self.fh.fileno()
+        whole = False
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+            whole = True
         except BaseException:  # ENOSPC, EIO, or a signal mid-write: leave no partial line behind
             # The file says how much was written: a signal handler may raise after the last write returned
             # (the line whole, and maybe read already), which must not cut it back.
-            try:
-                if os.fstat(fd).st_size == self.size + len(data):
-                    self.size += len(data)
-                    self.dirty = True
-                else:
+            with contextlib.suppress(OSError):
+                whole = os.fstat(fd).st_size == self.size + len(data)
+                if not whole:
                     os.ftruncate(fd, self.size)
-            except OSError:
-                pass
             raise
-        # The line is whole and readers may have seen it: nothing after this may cut it back.
-        self.size += len(data)
-        self.dirty = True
+        finally:
+            if whole:  # readers may have seen the line: nothing after this may cut it back
+                self.size += len(data)
+                self.dirty = True
 
     def sync(self) -> None:
         if self.dirty and not self.fh.closed:

@@ -98,24 +98,31 @@ def start_emulator(workdir: Path, mode: str = "real", spin_s: float = DEFAULT_SP
     eps = {"frontend": f"ipc://{workdir}/chan-front", "edge": f"ipc://{workdir}/chan-edge",
            "control": f"ipc://{workdir}/chan-ctl"}
     # A terminal's Ctrl-C goes to the whole process group: the emulator leaves it to us, so that we stop it
-    # in order (as `multispin run` does its children) instead of finding it dead.
-    proc = subprocess.Popen([sys.executable, "-m", "channel_emulator.proxy", "--frontend", eps["frontend"],
-                             "--edge", eps["edge"], "--control", eps["control"], "--mode", mode,
-                             "--spin-s", str(spin_s)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=child_preexec(),
-                            cwd=str(Path(__file__).resolve().parent.parent))
+    # in order (as `multispin run` does its children) instead of finding it dead. Its log goes to a file: a
+    # pipe that nobody reads would stop the emulator at its first 64 KiB of log lines.
+    with open(workdir / "emulator.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "channel_emulator.proxy", "--frontend", eps["frontend"],
+                                 "--edge", eps["edge"], "--control", eps["control"], "--mode", mode,
+                                 "--spin-s", str(spin_s)],
+                                stdout=subprocess.DEVNULL, stderr=log, preexec_fn=child_preexec(),
+                                cwd=str(Path(__file__).resolve().parent.parent))
     return proc, eps
 
 
-def stop_emulator(proc: subprocess.Popen, control) -> None:
+def stop_emulator(proc: subprocess.Popen, control, interrupted: bool = False) -> None:
+    """Ask the emulator to stop; after an interruption (it may still be starting, and holds nothing worth
+    a goodbye) end it by its handle at once, so that Ctrl-C never waits on its start-up."""
+    if control is not None and not interrupted and proc.poll() is None:
+        try:
+            control.stop()
+        except (TimeoutError, RuntimeError):
+            pass
+    if interrupted:
+        proc.terminate()
     try:
-        control.stop()
-    except (TimeoutError, RuntimeError):
-        pass
-    try:
-        proc.wait(timeout=5)
+        proc.wait(timeout=2)
     except subprocess.TimeoutExpired:
-        proc.kill()  # this process started it: end it by its handle
+        proc.kill()
         proc.wait(timeout=5)
 
 
@@ -132,20 +139,28 @@ class _Bench:
 
         self.encode_header = encode_header
         self.ctx = zmq.Context()
-        self.proc, eps = start_emulator(tmp, mode=mode, spin_s=spin_s)
-        self.control = ChannelControl(eps["control"], timeout_s=10.0, context=self.ctx,
-                                      gone=lambda: how_it_exited(self.proc))
-        self.edge = self.ctx.socket(zmq.ROUTER)
-        self.edge.setsockopt(zmq.LINGER, 0)
-        self.edge.bind(eps["edge"])
-        self.sender = self.ctx.socket(zmq.DEALER)
-        self.sender.setsockopt(zmq.ROUTING_ID, b"sender")
-        self.sender.setsockopt(zmq.LINGER, 0)
-        self.sender.connect(eps["frontend"])
-        self.control.stats()  # waits until the emulator is up
-        # Warm-up: the first message through opens the emulator's DEALER towards the edge.
-        self.sender.send_multipart([encode_header({"type": "hello"})])
-        self.edge.recv_multipart()
+        self.proc, self.control, self.edge, self.sender = None, None, None, None
+        try:  # Ctrl-C may come at any step: whatever was made so far is undone by close()
+            self.proc, eps = start_emulator(tmp, mode=mode, spin_s=spin_s)
+            self.control = ChannelControl(eps["control"], timeout_s=10.0, context=self.ctx,
+                                          gone=lambda: how_it_exited(self.proc))
+            self.edge = self.ctx.socket(zmq.ROUTER)
+            self.edge.setsockopt(zmq.LINGER, 0)
+            self.edge.bind(eps["edge"])
+            self.sender = self.ctx.socket(zmq.DEALER)
+            self.sender.setsockopt(zmq.ROUTING_ID, b"sender")
+            self.sender.setsockopt(zmq.LINGER, 0)
+            self.sender.connect(eps["frontend"])
+            self.control.stats()  # waits until the emulator is up
+            # Warm-up: the first message through opens the emulator's DEALER towards the edge.
+            self.sender.send_multipart([encode_header({"type": "hello"})])
+            if not self.edge.poll(10_000):
+                raise RuntimeError(f"the channel emulator forwarded nothing within 10 s "
+                                   f"({how_it_exited(self.proc) or 'still running'})")
+            self.edge.recv_multipart()
+        except BaseException:
+            self.close(interrupted=True)
+            raise
         self.marker = tx_start_marker("ul")
 
     def header(self) -> bytes:
@@ -168,12 +183,13 @@ class _Bench:
         t1 = time.monotonic()
         return t1 - t0, decode_header(frames[1].bytes)["channel"]
 
-    def close(self) -> None:
-        stop_emulator(self.proc, self.control)
-        for s in (self.edge, self.sender):
-            s.close(linger=0)
-        self.control.close()
-        self.ctx.term()
+    def close(self, interrupted: bool = False) -> None:
+        """Stop the emulator and free every socket; never blocks (a Ctrl-C mid-set-up leaves parts unset)."""
+        try:
+            if self.proc is not None:
+                stop_emulator(self.proc, self.control, interrupted)
+        finally:
+            self.ctx.destroy(linger=0)  # closes every socket made on it, the control's rebuilt ones included
 
 
 def calibrate_lead(bench: _Bench, sizes, repeats: int, hold_s: float = 0.02) -> dict:
@@ -270,8 +286,10 @@ def run_validation(sizes=DEFAULT_SIZES, rates=DEFAULT_RATES, repeats: int | None
                         cell.annotated_s.append(info["airtime_s"] + info["queued_s"] + info["base_latency_s"])
                 if progress:
                     progress(i + 1, len(plan), cell)
-        finally:
-            bench.close()
+        except BaseException:
+            bench.close(interrupted=True)
+            raise
+        bench.close()
     return cells, lead_info
 
 

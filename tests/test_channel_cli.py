@@ -45,12 +45,11 @@ def test_ctrl_c_at_a_terminal_stops_validate_and_its_emulator_at_once():
     emulator = None
     try:
         deadline = time.monotonic() + 60
-        while emulator is None and time.monotonic() < deadline:  # validating once the emulator is there
-            found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        while emulator is None and time.monotonic() < deadline:  # the emulator's process has exec'd
+            found = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "channel_emulator.proxy"],
+                                   capture_output=True, text=True).stdout.split()
             emulator = int(found[0]) if found else None
-            time.sleep(0.2)
         assert emulator is not None, "validate started no emulator"
-        time.sleep(1.0)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)

@@ -38,7 +38,7 @@ import struct
 import time
 from dataclasses import asdict, dataclass
 
-from testbed.link_estimate import next_sweep_size
+from testbed.runtime.link_estimate import next_sweep_size
 
 MAGIC = b"MSLP"
 VERSION = 1

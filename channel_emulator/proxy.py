@@ -36,7 +36,7 @@ minus the release time; >= 0 in real mode, 0 in virtual mode), ``lead_s`` (relea
 modeled deadline), ``mode``, ``link`` ("ul"/"dl"), ``round``, ``dl_access``, ``marker`` (a tx_start marker
 started the air time). In real mode held_s = queued_s + airtime_s + base_latency_s - lead_s + late_s.
 
-Hardening (a LAN is shared): with a key directory (``keys_dir``, see `testbed.security`) the frontend and the
+Hardening (a LAN is shared): with a key directory (``keys_dir``, see `testbed.runtime.security`) the frontend and the
 control socket are CURVE servers that admit only listed keys, a device is the name its key is bound to
 (whatever routing identity its connection chose: devices with keys let ZeroMQ pick one), only the ``edge``
 client may use the control socket, and the DEALERs to the edge authenticate as ``channel``. Without keys, a
@@ -73,7 +73,7 @@ import zmq
 
 from channel_emulator import DEFAULT_SPIN_S
 from channel_emulator.checks import DL_ACCESS, finite_number
-from testbed.security import (
+from testbed.runtime.security import (
     CHANNEL_CLIENT,
     EDGE_CLIENT,
     ClientKeys,
@@ -305,7 +305,7 @@ class ChannelProxy:
         self._peer_log.warn(time.monotonic(), "other", msg, *args)
 
     def _within_rate(self, ident: bytes, now: float) -> bool:
-        """Token bucket per identity (`testbed.security.RateLimiter`): `max_msgs_per_s`, bursts of one second's."""
+        """Token bucket per identity (`security.RateLimiter`): `max_msgs_per_s`, bursts of one second's."""
         ok = self.limiter.allow(ident, now)
         if not ok:
             self.counters["rate_limited"] += 1

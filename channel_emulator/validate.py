@@ -93,7 +93,7 @@ class Cell:
 
 
 def start_emulator(workdir: Path, mode: str = "real", spin_s: float = DEFAULT_SPIN_S) -> tuple[subprocess.Popen, dict]:
-    from testbed.launcher import child_preexec  # the command's side (the proxy process never imports it)
+    from testbed.runtime.processes import child_preexec
 
     eps = {"frontend": f"ipc://{workdir}/chan-front", "edge": f"ipc://{workdir}/chan-edge",
            "control": f"ipc://{workdir}/chan-ctl"}
@@ -134,7 +134,7 @@ class _Bench:
 
         self.spin_receive = spin_receive
         from channel_emulator.proxy import ChannelControl
-        from testbed.launcher import how_it_exited
+        from testbed.runtime.processes import how_it_exited
         from testbed.wire.protocol import encode_header, tx_start_marker
 
         self.encode_header = encode_header

@@ -1,6 +1,6 @@
 """The device's draft model under onnxruntime, with its KV cache (numpy + onnxruntime only: no torch).
 
-The ONNX graph comes from `edge_node.onnx_export` (inputs input_ids, position_ids, past_key_i, past_value_i;
+The ONNX graph comes from `model_pairs.onnx_export` (inputs input_ids, position_ids, past_key_i, past_value_i;
 outputs logits, present_key_i, present_value_i). Cache bookkeeping:
   committed context = tokens in the cache + `pending` tokens not fed yet (the prompt at first, later the
   round's correction/bonus token, and the last draft when all drafts were accepted).

@@ -3,7 +3,7 @@
 A profile is a small YAML file in ``profiles/hardware/`` (or any path): ``name``, ``compute_scale`` (>= 1:
 the device sleeps ``(scale - 1) x`` its measured compute after each draft), ``threads`` (onnxruntime
 intra-op threads). On a real device in a LAN deployment use ``edge-class`` (scale 1): the real speed shows.
-Energy model (optional; the edge's records use them, see testbed/energy.py): ``joules_per_token`` (J per
+Energy model (optional; the edge's records use them, see testbed/runtime/energy.py): ``joules_per_token`` (J per
 drafted token) and ``receive_power_w`` (W while receiving); left out, that energy is unknown, not zero.
 """
 

@@ -6,7 +6,7 @@ numpy, onnxruntime, pyzmq and pyyaml only, like `device_node.node`: no torch.
 Run: ``python -m device_node.host --connect tcp://HOST:PORT --draft draft.onnx --devices JSON`` where JSON is
 a list of devices, e.g. ``[{"name": "d0"}, {"name": "d1", "hardware": "phone", "keys": "DIR",
 "link_probe": "file:/tmp/d1.snr", "link_probe_period_s": 1.0}]``. `multispin run` starts such processes
-for a profile's `devices_per_process` (`testbed.launcher.Launcher.start_host`).
+for a profile's `devices_per_process` (`testbed.run.launcher.Launcher.start_host`).
 
 Timing: the devices of a process handle their messages one at a time (`device_node.gate.Gate`); a
 device's drafting time is measured inside the gate, so it is its own compute, not its wait for the shared
@@ -30,7 +30,7 @@ from device_node.hardware import load_hardware
 from device_node.link_probe import BackgroundProbe, NoneProbe, make_probe
 from device_node.node import DeviceNode, tell_edge
 from device_node.options import EXIT_HELP, ExitCode, endpoint
-from testbed.security import ClientKeys, SecurityError
+from testbed.runtime.security import ClientKeys, SecurityError
 
 log = logging.getLogger("multispin.host")
 

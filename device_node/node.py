@@ -15,7 +15,7 @@ Robustness (a LAN is shared, edges restart):
 - when the edge announces heartbeats (``registered.heartbeat_s``), the device sends a `heartbeat` whenever
   it sent nothing for that period, and leaves with `ExitCode.EDGE_GONE` when the edge was silent for
   ``liveness`` periods; with ``reconnect`` it reopens the socket and registers again until the edge returns;
-- with client keys (``--keys``, `testbed.security`) the socket is a CURVE client of the edge (or emulator).
+- with client keys (``--keys``, `testbed.runtime.security`) the socket is a CURVE client of the edge (or emulator).
 
 Several devices in one process (`device_node.host`, a profile's ``devices_per_process``): each is a
 `DeviceNode` in its own thread, and they handle their messages one at a time (`device_node.gate`), so that
@@ -46,10 +46,10 @@ from device_node.gate import OPEN, Gate
 from device_node.hardware import HardwareProfile, load_hardware
 from device_node.link_probe import BackgroundProbe, LinkMeasurement, NoneProbe, make_probe
 from device_node.options import EPILOG, ExitCode, add_arguments
-from testbed import timeline
 from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
-from testbed.security import ClientKeys, SecurityError, make_client
-from testbed.waiting import Rehearsal, wait_readable
+from testbed.runtime import timeline
+from testbed.runtime.security import ClientKeys, SecurityError, make_client
+from testbed.runtime.waiting import Rehearsal, wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -75,7 +75,7 @@ class DeviceNode:
         self.connect, self.name, self.drafter = connect, name, drafter
         # Several devices in one process (`device_node.host`) handle their messages one at a time.
         self.gate = gate or OPEN
-        self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
+        self.busy_poll = busy_poll  # `testbed.runtime.waiting`: a core for no kernel wake-up per message
         self.link_probe = link_probe
         self.hardware = hardware or HardwareProfile()
         self.register_timeout_s, self.idle_timeout_s = register_timeout_s, idle_timeout_s
@@ -98,7 +98,7 @@ class DeviceNode:
         self._probe_pad = None     # a rate probe's echo padding (uint8 zeros), grown to the largest asked for
         # A shared host's wait for the message in hand: received -> its handling began (`_serve`).
         self._gate_wait_s = 0.0
-        self._t_recv = 0.0  # when the message in hand was received (monotonic; `testbed.timeline`)
+        self._t_recv = 0.0  # when the message in hand was received (monotonic; `testbed.runtime.timeline`)
         self._frames_in: list = []  # the message in hand (a verdict's are kept for `rehearsal`)
         self.rehearsal = Rehearsal(busy_poll)  # the last verdict's decode and checks, rerun while busy-polling
 

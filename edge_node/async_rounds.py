@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_node.server import DRAIN_BATCH, RoundInFlight
-from testbed.controller import DeviceOutcome, RoundPlan, channel_links, round_record
+from edge_node.controller import DeviceOutcome, RoundPlan, channel_links, round_record
+from edge_node.round_state import DRAIN_BATCH, RoundInFlight
 from testbed.core import model
 from testbed.core.optimizer import DevicePlan
-from testbed.errors import TestbedError
+from testbed.runtime.errors import TestbedError
 from testbed.wire import messages as M
 
 log = logging.getLogger("multispin.edge.async")

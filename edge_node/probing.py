@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.link_estimate import DirectionEstimate, LinkFit, next_sweep_size
+from testbed.runtime.link_estimate import DirectionEstimate, LinkFit, next_sweep_size
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 
@@ -134,7 +134,7 @@ class SweepSizes:
 
 class Prober:
     """Runs the probe sweeps of an `EdgeServer` (`server`: its sessions, `_send`, `poll`, `links`, and
-    `publish_link_rates`); `settings`: `testbed.profile.RateProbeSettings`."""
+    `publish_link_rates`); `settings`: `testbed.run.profile.RateProbeSettings`."""
 
     def __init__(self, server, settings):
         self.server, self.settings = server, settings

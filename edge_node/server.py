@@ -5,7 +5,7 @@ device gets its schedule; drafts are collected until every scheduled device draf
 deadline; ONE `verifier.verify` call scores every device's drafts; accept/reject runs here for every device
 (shared sampling code); UL-mode corrections are sampled here, DL-mode devices get p_j and correct
 themselves; each device reports back; the round record (predicted next to measured, per phase and device)
-is written as the round ends (`testbed.records`: fsynced as it is written). With a virtual channel the
+is written as the round ends (`testbed.runtime.records`: fsynced as it is written). With a virtual channel the
 record's measured times are on the virtual clock (measured compute + the emulator's annotated air time;
 `_virtual_round`).
 
@@ -27,7 +27,7 @@ Hardening (a LAN is shared; see docs/wire-protocol.md):
   nothing of that device's (the channel emulator's key forwards for all). With an emulator in between
   (`channel_mode` not passthrough) only the emulator's key connects: no device skips its air time.
 - Each identity may send `max_msgs_per_s` messages a second (a token bucket with a burst of one second's
-  worth, `testbed.security.RateLimiter`, as at the emulator); the rest are dropped before decoding, unanswered
+  worth, `testbed.runtime.security.RateLimiter`, as at the emulator); the rest are dropped before decoding, unanswered
   (`refusals["rate_limited"]`), so one flooding peer costs the others little.
 - Open files: the edge raises its soft limit to the hard one (one file per connection), and closes a
   connection that has not finished ZeroMQ's handshake within HANDSHAKE_S (a raw TCP peer, a refused key).
@@ -53,9 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from edge_node.probing import Prober
-from testbed import security, timeline
-from testbed.controller import (
+from edge_node.controller import (
     Arrival,
     Controller,
     DeviceOutcome,
@@ -65,8 +63,9 @@ from testbed.controller import (
     round_record,
     virtual_round,
 )
+from edge_node.probing import Prober
+from edge_node.round_state import DRAIN_BATCH, ArrivedDraft, RoundInFlight
 from testbed.core.model import ul_first_bits
-from testbed.core.optimizer import DevicePlan
 from testbed.core.sampling import (
     RoundRandomness,
     SamplingParams,
@@ -76,9 +75,10 @@ from testbed.core.sampling import (
     to_wire_precision,
     verify_draft,
 )
-from testbed.errors import TestbedError
-from testbed.link_estimate import LinkEstimator
-from testbed.waiting import Rehearsal, wait_readable
+from testbed.runtime import security, timeline
+from testbed.runtime.errors import TestbedError
+from testbed.runtime.link_estimate import LinkEstimator
+from testbed.runtime.waiting import Rehearsal, wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -93,9 +93,6 @@ MAX_MSGS_PER_S = 1000.0
 # A message read within this of the edge becoming free was already queued while the edge was busy, so its
 # arrival stamp is late (the virtual clock then estimates the arrival; see `controller.virtual_round`).
 WAITED_S = 0.0005
-# Messages handled per `drain` within `poll` before the housekeeping and the deadline are looked at again: a peer
-# that sends faster than the edge reads must not hold the edge in one drain (no heartbeats, no deadline).
-DRAIN_BATCH = 1000
 # A connection that has not finished ZeroMQ's handshake within this is closed (libzmq's default is 30 s): a
 # raw TCP peer, or a key the ZAP handler refuses, must not hold one of the edge's open files for long.
 HANDSHAKE_S = 5.0
@@ -151,17 +148,6 @@ class DrawsAhead(RoundRandomness):
         return self._final
 
 
-@dataclass
-class ArrivedDraft:
-    """A device's draft, accepted into the round's inbox."""
-
-    t_arrival: float      # edge clock (monotonic)
-    draft: M.Draft
-    nbytes: int           # bytes of the message's frames: the record's ul_bytes when no emulator annotates it
-    waited: bool = False  # it was queued while the edge was busy: t_arrival is late
-    handled_s: float = 0.0  # the edge's handling of it (decode, checks: its thread's CPU time), for the virtual queue
-
-
 class ThreadClock:
     """This thread's wall and CPU clocks from when it was made: of the span since, how long the thread did not
     run (a host shared with emulated devices gave them the cores). The virtual clock counts only the rest."""
@@ -171,41 +157,6 @@ class ThreadClock:
 
     def descheduled_s(self) -> float:
         return max(0.0, (time.monotonic() - self.wall0) - (time.thread_time() - self.cpu0))
-
-
-@dataclass
-class RoundInFlight:
-    """The round the edge is serving: its plan, each device's schedule, and what came back so far."""
-
-    index: int
-    plan: RoundPlan
-    plan_s: float                       # how long computing the plan took
-    schedule: dict[str, DevicePlan]     # the devices of this round -> their plan entry (mode, draft_len, powers)
-    sids: dict[str, str]                # the session each schedule went to (a rejoined device is a new one)
-    t0: float                           # edge clock when the schedules went out
-    drafts: dict[str, ArrivedDraft] = field(default_factory=dict)
-    given_up: dict[str, str] = field(default_factory=dict)  # name -> why its draft will not come (refused, gone)
-    reports: dict[str, tuple[float, M.Report]] = field(default_factory=dict)  # name -> (arrival time, report)
-    reports_given_up: set[str] = field(default_factory=set)  # refused reports, sessions gone
-    closed: bool = False                # past the drafting phase: later drafts are discarded
-    # Edge clock instants for the virtual time base: waiting for drafts from / until, for reports from.
-    t_drafts_from: float = 0.0
-    t_drafts_closed: float = 0.0
-    # Of the next round's planning during the drafting, the time this thread did not run (a shared host's
-    # other processes did): no work of the edge's, so the virtual clock takes it out.
-    plan_descheduled_s: float = 0.0
-    reply_descheduled_s: float = 0.0  # the same of the verdicts' work, from verification done to reports awaited
-    t_reports_from: float | None = None
-    reports_waited: set[str] = field(default_factory=set)   # reports queued while the edge was busy
-    draws: dict[str, RoundRandomness] = field(default_factory=dict)  # name -> its draws, made while it drafts
-    ahead: bool = False  # scheduled with the previous round's verdicts (`EdgeServer._schedule_ahead`)
-
-    def awaits_draft(self, name: str) -> bool:
-        return (not self.closed and name in self.schedule and name not in self.drafts
-                and name not in self.given_up)
-
-    def drafting_done(self) -> bool:
-        return all(n in self.drafts or n in self.given_up for n in self.schedule)
 
 
 class EdgeServer:
@@ -232,7 +183,7 @@ class EdgeServer:
         P.wire_dtype(self.bits)  # fail early on an unsupported precision
         self.channel, self.channel_mode, self.base_latency_s = channel, channel_mode, base_latency_s
         # () -> why the emulator's process is gone, or None while it runs: set by whoever started it
-        # (`testbed.session`); a cheap check each tick, so a dead emulator is seen within a heartbeat.
+        # (`testbed.run.session`); a cheap check each tick, so a dead emulator is seen within a heartbeat.
         self.channel_exited = None
         self.check_stop = None  # optional callable, at every tick: raises to end the run (a swallowed signal)
         # Optional callable(record), just before a record is written: the session's progress line goes first, so
@@ -268,7 +219,7 @@ class EdgeServer:
         self._ahead: RoundInFlight | None = None      # the next round, scheduled with this round's verdicts
         self._reporting: RoundInFlight | None = None  # the round whose reports come in while `_ahead` drafts
         self._rounds_end = 0  # `run`'s last round + 1: nothing is scheduled ahead past it
-        self.busy_poll = busy_poll  # `testbed.waiting`: a core for no kernel wake-up per message
+        self.busy_poll = busy_poll  # `testbed.runtime.waiting`: a core for no kernel wake-up per message
         self._dispatch_clock = ThreadClock()  # restarted for each message (a draft's `handled_s`)
         self._frames_in: list = []  # the message being handled (a draft's are kept for `rehearsal`)
         self.rehearsal = Rehearsal(busy_poll)  # the last draft's decode and checks, rerun while busy-polling
@@ -291,9 +242,9 @@ class EdgeServer:
         self._transport: dict[tuple[str, str], deque[float]] = {}
         self._hosted_least: dict[tuple[str, str], deque[float]] = {}
         # A real link (no emulator): estimate each device's UL and DL rate from what this edge measures, and
-        # let the controller plan with them (`testbed.link_estimate`).
+        # let the controller plan with them (`testbed.runtime.link_estimate`).
         self.links = LinkEstimator() if measure_links else None
-        # ... and probe sweeps of each (`edge_node.probing`; `rate_probes`: testbed.profile.RateProbeSettings)
+        # ... and probe sweeps of each (`edge_node.probing`; `rate_probes`: testbed.run.profile.RateProbeSettings)
         self.prober = Prober(self, rate_probes) if measure_links and rate_probes and rate_probes.enabled else None
         controller.seed_header_bits(draft_header_bits(controller.base, self.bits, self.on_air))
 
@@ -1208,7 +1159,7 @@ class EdgeServer:
         round indices seed every random draw). Each round's record is written by the recorder as the round
         ends and passed to `on_round`; `run` returns them all only with `keep_records` (the default, for
         callers that summarize the list; a long run should pass False and read rounds.jsonl back, see
-        `testbed.records.load_run`), else None. `rounds_done` and `last_record` tell how far it got."""
+        `testbed.runtime.records.load_run`), else None. `rounds_done` and `last_record` tell how far it got."""
         if self.scenario.rounds == "asynchronous":  # each device cycles on its own: `rounds` cycles each
             from edge_node.async_rounds import run_asynchronous
 

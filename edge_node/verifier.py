@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from model_pairs.checkpoints import cache_kwarg
+
 
 @runtime_checkable
 class Verifier(Protocol):
@@ -57,13 +59,6 @@ class _Session:
     @property
     def cached(self) -> int:
         return int(self.keys[0].shape[2]) if self.keys else 0
-
-
-def cache_kwarg(model) -> str:
-    """Name of the KV-cache argument: `cache` in newer transformers 5.x, `past_key_values` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def default_device() -> str:
@@ -195,7 +190,7 @@ class BatchedVerifier:
 
 
 def load_target(path_or_dir, device: str | None = None, dtype=None):
-    """A target causal LM from a Hugging Face directory or a GGUF file (see edge_node.checkpoints)."""
-    from edge_node.checkpoints import load_causal_lm
+    """A target causal LM from a Hugging Face directory or a GGUF file (see model_pairs.checkpoints)."""
+    from model_pairs.checkpoints import load_causal_lm
 
     return load_causal_lm(path_or_dir, device=device or default_device(), dtype=dtype)

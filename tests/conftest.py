@@ -9,7 +9,7 @@ import pytest
 def micro_pair(tmp_path_factory):
     """PairPaths of a tiny target/draft pair (stdlib corpus, 320-token vocabulary, ONNX draft with a KV
     cache), built under the session's pytest tmp base: ~20 s on an idle core, once per session."""
-    from edge_node.model_pair import MICRO_CONFIG, PairPaths, build_pair
+    from model_pairs.model_pair import MICRO_CONFIG, PairPaths, build_pair
 
     root = tmp_path_factory.getbasetemp() / "micro-pair"
     paths = PairPaths.under(root)

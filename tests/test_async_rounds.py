@@ -16,11 +16,11 @@ import yaml
 from test_run_lifecycle import _kill_all, _profile_data, _start_run
 
 from edge_node.async_rounds import shared_dl_rates
-from testbed.controller import Controller
-from testbed.errors import TestbedError
-from testbed.profile import ProfileError, load_profile
-from testbed.scenario_file import load_scenario
-from testbed.session import load_resume
+from edge_node.controller import Controller
+from testbed.run.profile import ProfileError, load_profile
+from testbed.run.scenario_file import load_scenario
+from testbed.run.session import load_resume
+from testbed.runtime.errors import TestbedError
 
 CYCLES = 12
 # The micro draft model drafts a token in well under a millisecond here, so 5x (phone-slow) would not

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from testbed.campaign import (
+from testbed.run.campaign import (
     CampaignError,
     device_overrides,
     open_campaign,
@@ -25,7 +25,7 @@ from testbed.campaign import (
     run_campaign,
     run_status,
 )
-from testbed.profile import load_profile
+from testbed.run.profile import load_profile
 
 # -- the sweep ----------------------------------------------------------------------------------------------
 
@@ -127,7 +127,7 @@ def _micro_base(pair):
 
 
 def test_campaign_writes_csv_and_plot_and_resumes_where_it_stopped(micro_pair, tmp_path):
-    from testbed.launcher import resolve_pair
+    from testbed.run.launcher import resolve_pair
 
     base = _micro_base(micro_pair)
     pair = resolve_pair(base, progress=False)

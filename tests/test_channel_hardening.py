@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from channel_emulator.proxy import ChannelControl, ChannelProxy
-from testbed.security import ClientKeys, generate_keys, make_client, stop_authenticators
+from testbed.runtime.security import ClientKeys, generate_keys, make_client, stop_authenticators
 from testbed.wire.protocol import decode_header, encode_header
 
 
@@ -22,7 +22,7 @@ class ThreadBench:
         self.ctx = zmq.Context()
         self.edge = self.sock(zmq.ROUTER)
         if "keys_dir" in proxy_kw:
-            from testbed.security import ServerKeys, make_server
+            from testbed.runtime.security import ServerKeys, make_server
 
             make_server(self.edge, ServerKeys.load(proxy_kw["keys_dir"]))
         self.edge.bind(self.eps["edge"])
@@ -225,7 +225,7 @@ def test_the_identity_cap_fits_the_open_file_limit(tmp_path):
     import sys
 
     from channel_emulator.proxy import FD_RESERVE, FDS_PER_IDENTITY, MAX_IDENTITIES, identity_budget
-    from testbed.launcher import child_env
+    from testbed.run.launcher import child_env
     from testbed.wire import messages as M
 
     assert identity_budget(MAX_IDENTITIES, None) == MAX_IDENTITIES == identity_budget(MAX_IDENTITIES, 2**16)

@@ -1,4 +1,4 @@
-"""Channel state and rates: hand-computed Shannon rates, seeded reproducibility, trace replay, live readings."""
+"""Channel state: seeded reproducibility, trace replay, live readings."""
 
 import math
 
@@ -6,53 +6,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from channel_emulator.rates import link_rates
-from channel_emulator.state import ChannelState, ProcNetWirelessReader, load_snr_trace
+from testbed.channel.state import ChannelState, ProcNetWirelessReader, load_snr_trace
 
 N0 = 10 ** ((-174 + 9 - 30) / 10)  # W/Hz, -174 dBm/Hz plus a 9 dB noise figure
 
 
-def shannon(b, p, g_db):
-    return b * math.log2(1 + p * 10 ** (g_db / 10) / (N0 * b))
-
-
 DEVICES = [{"name": "d0", "distance_m": 100.0}, {"name": "d1", "distance_m": 300.0},
            {"name": "d2", "distance_m": 450.0}]
-
-
-def test_ul_and_dl_rates_match_hand_computed_shannon():
-    gains = {"d0": -90.0, "d1": -110.0, "d2": -120.0}
-    sched = {"d0": {"mode": "UL", "ul_power_w": 0.2},
-             "d1": {"mode": "DL", "ul_power_w": 0.1, "dl_power_w": 3.0},
-             "d2": {"mode": "DL", "ul_power_w": 0.2, "dl_power_w": 7.0}}
-    kw = dict(ul_bandwidth_hz=1e6, dl_bandwidth_hz=20e6, dl_total_power_w=10.0, noise_w_hz=N0)
-    eq = link_rates(gains, sched, dl_access="fdma_equal_split", **kw)
-    assert eq["d0"]["ul_rate_bps"] == pytest.approx(shannon(1e6, 0.2, -90.0), rel=1e-12)
-    assert eq["d1"]["ul_rate_bps"] == pytest.approx(shannon(1e6, 0.1, -110.0), rel=1e-12)
-    assert eq["d0"]["dl_rate_bps"] is None  # UL-mode device: no DL band under equal split
-    assert eq["d1"]["dl_rate_bps"] == pytest.approx(shannon(10e6, 3.0, -110.0), rel=1e-12)  # W = B/|D| = 10 MHz
-    assert eq["d2"]["dl_rate_bps"] == pytest.approx(shannon(10e6, 7.0, -120.0), rel=1e-12)
-    fixed = link_rates(gains, sched, dl_access="fdma_fixed_split", **kw)
-    assert fixed["d1"]["dl_rate_bps"] == pytest.approx(shannon(20e6 / 3, 3.0, -110.0), rel=1e-12)
-    assert fixed["d0"]["dl_rate_bps"] == pytest.approx(shannon(20e6 / 3, 10.0 / 3, -90.0), rel=1e-12)
-    tdma = link_rates(gains, {k: {**v, "dl_power_w": 10.0} if v["mode"] == "DL" else v for k, v in sched.items()},
-                      dl_access="tdma", **kw)
-    assert tdma["d2"]["dl_rate_bps"] == pytest.approx(shannon(20e6, 10.0, -120.0), rel=1e-12)
-    # A worked example from the spec: 1 MHz, 23 dBm, 200 m (3GPP macro path loss), N0 = -174 dBm/Hz.
-    g200 = -(128.1 + 37.6 * math.log10(0.2))
-    r = link_rates({"a": g200}, {"a": {"mode": "UL", "ul_power_w": 0.2}}, noise_w_hz=10 ** (-204.0 / 10))
-    assert r["a"]["ul_rate_bps"] == pytest.approx(1e6 * math.log2(1 + 0.2 * 10 ** (g200 / 10) / (10 ** -20.4 * 1e6)))
-
-
-def test_rates_refuse_bad_input_naming_the_field():
-    with pytest.raises(ValueError, match="dl_access='ofdma'"):
-        link_rates({"a": -100.0}, {"a": {"mode": "UL", "ul_power_w": 0.1}}, dl_access="ofdma")
-    with pytest.raises(ValueError, match=r"schedule\['a'\].mode"):
-        link_rates({"a": -100.0}, {"a": {"mode": "up", "ul_power_w": 0.1}})
-    with pytest.raises(ValueError, match=r"ul_power_w=-1"):
-        link_rates({"a": -100.0}, {"a": {"mode": "UL", "ul_power_w": -1}})
-    with pytest.raises(ValueError, match="no channel gain"):
-        link_rates({}, {"a": {"mode": "UL", "ul_power_w": 0.1}})
 
 
 def model_cfg(**kw):
@@ -181,7 +141,7 @@ def test_a_run_reads_snrs_with_the_scenarios_noise_power_and_bandwidth():
     # The model must predict the SNR a device measured: the state's SNR -> gain uses the scenario's noise
     # figure (9 dB here, the state's own default is 0) and the device's power and UL bandwidth (2 MHz here).
     from testbed.core.scenario import Scenario
-    from testbed.plugins import channel_state_from_config
+    from testbed.runtime.plugins import channel_state_from_config
 
     sc = Scenario.from_dict({"noise_figure_db": 9.0, "uplink_bandwidth_hz": 2e6,
                              "devices": [{"name": "d0", "distance_m": 100, "max_power_w": 0.1, **DRAFTER},

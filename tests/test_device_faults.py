@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from device_node.options import ExitCode
-from testbed.launcher import child_env
-from testbed.security import ServerKeys, generate_keys, make_server, stop_authenticators
+from testbed.run.launcher import child_env
+from testbed.runtime.security import ServerKeys, generate_keys, make_server, stop_authenticators
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 

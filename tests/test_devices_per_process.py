@@ -22,10 +22,10 @@ from device_node.gate import OPEN, Gate
 from device_node.host import describe, exit_status, parse_devices
 from device_node.options import ExitCode
 from testbed.core.sampling import SamplingParams
-from testbed.errors import TestbedError
-from testbed.launcher import run_live
-from testbed.profile import ProfileError, load_profile
-from testbed.records import load_run
+from testbed.run.live import run_live
+from testbed.run.profile import ProfileError, load_profile
+from testbed.runtime.errors import TestbedError
+from testbed.runtime.records import load_run
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 

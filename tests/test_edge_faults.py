@@ -23,13 +23,13 @@ import pytest
 import zmq
 
 from channel_emulator.proxy import ChannelProxy
+from edge_node.controller import Controller
 from edge_node.server import MAX_MSGS_PER_S, EdgeServer
-from testbed.controller import Controller
 from testbed.core.sampling import SamplingParams
-from testbed.errors import TestbedError
-from testbed.records import RunRecorder, load_run
-from testbed.scenario_file import load_scenario
-from testbed.security import ClientKeys, generate_keys, make_client, stop_authenticators
+from testbed.run.scenario_file import load_scenario
+from testbed.runtime.errors import TestbedError
+from testbed.runtime.records import RunRecorder, load_run
+from testbed.runtime.security import ClientKeys, generate_keys, make_client, stop_authenticators
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 

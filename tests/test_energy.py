@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from device_node.hardware import HardwareProfile, load_hardware
-from testbed.controller import Controller, DeviceOutcome, round_record
+from edge_node.controller import Controller, DeviceOutcome, round_record
 from testbed.core import energy as formulas
 from testbed.core import model, radio
-from testbed.energy import BUDGET_HEADROOM, EnergyConstants, summarize_energy
-from testbed.scenario_file import load_scenario
+from testbed.run.scenario_file import load_scenario
+from testbed.runtime.energy import BUDGET_HEADROOM, EnergyConstants, summarize_energy
 
 PHONE = {"joules_per_token": 0.12, "receive_power_w": 1.3}
 LAPTOP = {"joules_per_token": 0.2, "receive_power_w": 0.4}
@@ -69,7 +69,7 @@ def test_a_malformed_energy_field_is_named(tmp_path, field, value, why):
     with pytest.raises(ValueError, match=rf"hardware 'bad': {field}=.* is not allowed; must be a finite number "
                                          rf">= 0 \(.*{why}\)"):
         load_hardware(str(path))
-    from testbed.profile import ProfileError, load_profile
+    from testbed.run.profile import ProfileError, load_profile
 
     with pytest.raises(ProfileError, match=rf"hardware\.dev0: hardware 'bad': {field}="):
         load_profile(None, {"hardware.dev0": str(path)})
@@ -192,7 +192,7 @@ def test_a_margin_larger_than_the_budget_plans_the_least_upload_and_says_so():
 # -- live: a micro run with a binding budget ----------------------------------------------------------------
 
 def _live_profile(pair, budget: float | None, rounds: int = 6):
-    from testbed.profile import load_profile
+    from testbed.run.profile import load_profile
 
     devs = [{"name": "d0", "distance_m": 100, "draft_time_s": 0.001, "acceptance": 0.6},
             {"name": "d1", "distance_m": 250, "draft_time_s": 0.001, "acceptance": 0.6}]
@@ -210,9 +210,9 @@ def _live_profile(pair, budget: float | None, rounds: int = 6):
 
 
 def test_live_run_records_energy_and_keeps_the_budget(micro_pair, tmp_path):
-    from testbed import report
-    from testbed.launcher import run_live
-    from testbed.records import load_run
+    from testbed.analysis import report
+    from testbed.run.live import run_live
+    from testbed.runtime.records import load_run
 
     # At P^max d0's L = 1 upload costs 0.2 W x ~23 ms = 4.6 mJ (the prediction; the test checks it): 2 mJ binds.
     budget = 0.002

@@ -1,4 +1,4 @@
-"""testbed.heap: with freed memory kept, a large temporary array reuses pages instead of faulting them in.
+"""testbed.runtime.heap: with freed memory kept, a large temporary array reuses pages instead of faulting them in.
 
 Counted, not timed: the minor page faults of 50 x 4 temporaries of 2 MiB (512 pages each), in a fresh process
 with glibc's defaults and in one after `keep_freed_memory()`."""
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from testbed.heap import keep_freed_memory
+from testbed.runtime.heap import keep_freed_memory
 
 PROBE = """
 import json, resource, sys
 import numpy as np
-from testbed.heap import keep_freed_memory
+from testbed.runtime.heap import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else False
 a = np.ones((512, 512))
 def step():  # four 2 MiB temporaries alive at once, then all freed (as in a greedy step of the optimizer)
@@ -48,7 +48,7 @@ def test_kept_freed_memory_spares_the_page_faults_of_large_temporaries():
 
 
 def test_the_commands_that_plan_keep_freed_memory_and_the_others_do_not(tmp_path):
-    probe = ("import contextlib, io, sys; from testbed import cli, heap\n"
+    probe = ("import contextlib, io, sys; from testbed import cli; from testbed.runtime import heap\n"
              "with contextlib.redirect_stdout(io.StringIO()): rc = cli.main(sys.argv[1:])\n"
              "print(rc, heap._done)")
     for argv, kept in ((["plan", "profiles/scenarios/example-two-devices.yaml"], "True"),

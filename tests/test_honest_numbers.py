@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from channel_emulator import validate
-from testbed import report
-from testbed.controller import (
+from edge_node.controller import (
     LEGACY_DEVICE_FIELDS,
     PHASE_FIELDS,
     Arrival,
@@ -26,7 +25,9 @@ from testbed.controller import (
     round_record,
     virtual_round,
 )
-from testbed.scenario_file import load_scenario
+from testbed.analysis import report
+from testbed.analysis.phases import PHASES
+from testbed.run.scenario_file import load_scenario
 from testbed.wire.protocol import decode_header, encode_header
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ def _slow_channel_profile(pair, mode: str, rounds: int = 10):
     """Three DL-mode devices, L = 4, static gains: every air time is 60-100 ms (a ~400-byte upload at a
     few kbit/s, an 8 kB distribution on a 0.25 MHz downlink), against a few ms of compute (so that a few ms
     of scheduling noise on a shared host stay well inside the 5%)."""
-    from testbed.profile import load_profile
+    from testbed.run.profile import load_profile
 
     return load_profile({
         "name": "air-dominated", "rounds": rounds, "seed": 3, "deadline_s": 5.0,
@@ -56,8 +57,8 @@ def _slow_channel_profile(pair, mode: str, rounds: int = 10):
 
 
 def test_virtual_and_real_mode_give_the_same_phase_times(micro_pair, tmp_path):
-    from testbed.launcher import run_live
-    from testbed.records import load_run
+    from testbed.run.live import run_live
+    from testbed.runtime.records import load_run
 
     runs = {}
     for mode in ("virtual", "real"):
@@ -296,7 +297,7 @@ def test_summary_names_both_goodputs_and_explains_its_columns():
     assert s["goodput_measured_tps"] == s["goodput_run_tps"]["measured"]  # the earlier key, for one release
     dev = s["devices"]["a"]
     assert dev["acceptance_rate"] == pytest.approx(1 / 2) and dev["accepted_per_drafted"] == pytest.approx(1 / 3)
-    assert set(s["phase_errors"]) == set(report.PHASES)
+    assert set(s["phase_errors"]) == set(PHASES)
     assert s["phase_errors"]["dl_air_s[DL mode, p]"]["n"] == 4  # only b's verdicts carried p
     assert s["dl_mode_verdicts"] == {"with_distribution": 4, "with_token": 4, "token_bytes_median": 73.0,
                                      "provisioned_bits_median": pytest.approx(s["dl_mode_verdicts"]

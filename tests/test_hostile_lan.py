@@ -19,7 +19,7 @@ import pytest
 import zmq
 from test_run_lifecycle import _alive, _children, _kill_all, _profile_data, _start_run, _wait_rounds
 
-from testbed.security import ClientKeys, generate_keys, make_client
+from testbed.runtime.security import ClientKeys, generate_keys, make_client
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from testbed import launcher
+from testbed.run import launcher
 
 
 def test_child_env_puts_a_checkout_first_without_an_empty_entry(monkeypatch):

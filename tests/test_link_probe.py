@@ -26,7 +26,6 @@ from channel_emulator.link_probe import (
     parse_endpoint,
     run_probe,
 )
-from channel_emulator.state import ChannelState
 from device_node.link_probe import (
     BackgroundProbe,
     CommandProbe,
@@ -38,6 +37,7 @@ from device_node.link_probe import (
     parse_iw_link,
     parse_iw_survey,
 )
+from testbed.channel.state import ChannelState
 from testbed.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

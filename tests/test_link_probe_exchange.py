@@ -19,9 +19,9 @@ from test_run_lifecycle import _profile_data, _start_run
 from device_node.options import ExitCode
 from edge_node import probing
 from edge_node.probing import Prober, Sweep, SweepSizes
-from testbed.link_estimate import LinkEstimator, LinkFit
-from testbed.profile import RateProbeSettings, load_profile
-from testbed.records import load_run
+from testbed.run.profile import RateProbeSettings, load_profile
+from testbed.runtime.link_estimate import LinkEstimator, LinkFit
+from testbed.runtime.records import load_run
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
@@ -84,7 +84,7 @@ def test_a_padding_beyond_the_bound_is_refused():
 
 
 def test_the_profile_bounds_the_probe_sizes():
-    from testbed.profile import ProfileError
+    from testbed.run.profile import ProfileError
 
     base = load_profile("trace-replay").snapshot()
     channel = {"mode": "passthrough", "measure_links": True}
@@ -138,7 +138,7 @@ def test_the_plan_uses_the_more_recent_of_the_rounds_fit_and_the_probe_fit_and_s
 def test_probe_and_round_samples_of_one_link_differ_in_intercept_only():
     """A probe round trip (probe + echo) and a round's (schedule + draft) share the slope, not the intercept:
     fitted apart, both give the rate; mixed into one fit, the intercepts' difference would tilt it."""
-    from testbed.link_estimate import fit_line
+    from testbed.runtime.link_estimate import fit_line
 
     rate, rng = 8e6, random.Random(5)
     rounds = [(s, 0.012 + 8 * s / rate + rng.expovariate(3000.0)) for s in (400, 130_000, 262_000, 393_000) * 4]

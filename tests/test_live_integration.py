@@ -1,6 +1,6 @@
 """Live runs with real processes and sockets: channel emulator + device processes + edge (micro pair).
 
-Every run starts its processes through `testbed.launcher`, which stops each by its pid at the end.
+Every run starts its processes through `testbed.run.launcher`, which stops each by its pid at the end.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import zmq
 
-from testbed.launcher import run_live
-from testbed.profile import load_profile
-from testbed.records import load_run
+from testbed.run.live import run_live
+from testbed.run.profile import load_profile
+from testbed.runtime.records import load_run
 from testbed.wire import protocol as P
 
 

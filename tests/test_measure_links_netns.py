@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from channel_emulator.netns import VethPair
-from testbed.records import load_run
+from testbed.runtime.records import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.netns

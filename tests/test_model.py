@@ -262,7 +262,7 @@ def test_header_bits_are_charged_on_every_upload_and_dl_mode_verdict():
 
 
 def test_controller_learns_the_header_from_charged_bytes():
-    from testbed.controller import Controller
+    from edge_node.controller import Controller
 
     sc = scenario(n=2, seed=1)
     ctl = Controller(sc)

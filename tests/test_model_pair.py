@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from edge_node.model_pair import MICRO_CONFIG, PairPaths, build_pair, load_manifest, pair_dir, verify_files
+from model_pairs.model_pair import MICRO_CONFIG, PairPaths, build_pair, load_manifest, pair_dir, verify_files
 
 
 def test_manifest_describes_the_pair(micro_pair):
@@ -57,7 +57,7 @@ def test_greedy_speculative_decoding_equals_target_greedy(micro_pair):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from edge_node.training import greedy_generate, speculative_generate
+    from model_pairs.training import greedy_generate, speculative_generate
     from testbed.core.sampling import SamplingParams
 
     torch.set_num_threads(1)
@@ -114,7 +114,7 @@ def test_cli_export_with_check(micro_pair, tmp_path, capsys):
 @pytest.mark.slow
 def test_default_pair_builds_with_useful_acceptance(tmp_path):
     """The full default build (minutes on 2 cores)."""
-    from edge_node.model_pair import ensure_default_pair
+    from model_pairs.cache import ensure_default_pair
 
     paths = ensure_default_pair(tmp_path, progress=False)
     m = load_manifest(paths.root)

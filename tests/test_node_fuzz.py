@@ -64,7 +64,7 @@ from test_wire_fuzz import (
 from channel_emulator.proxy import ChannelControl, ChannelProxy, ConfigError, parse_configure
 from device_node.options import ExitCode
 from testbed.core.sampling import exact_from_wire, to_wire_precision
-from testbed.records import RunRecorder, load_run
+from testbed.runtime.records import RunRecorder, load_run
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError

@@ -8,8 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from channel_emulator.rates import link_rates
-from testbed.controller import Controller
+from edge_node.controller import Controller
 from testbed.core import model
 from testbed.core.optimizer import DevicePlan, Scorer, plan
 from testbed.core.scenario import Scenario
@@ -34,19 +33,6 @@ def test_dl_bandwidth_split_golden(access, expected):
         model.dl_bandwidth_split("ofdma", 20e6, 1, 3)
 
 
-def test_channel_emulator_rates_use_the_models_split():
-    gains = {"a": -100.0, "b": -110.0, "c": -105.0}
-    sched = {"a": {"mode": "DL", "ul_power_w": 0.1, "dl_power_w": 1.0},
-             "b": {"mode": "DL", "ul_power_w": 0.1, "dl_power_w": 1.0},
-             "c": {"mode": "UL", "ul_power_w": 0.1, "dl_power_w": 1.0}}
-    n0 = 1e-20
-    for access in ("fdma_equal_split", "fdma_fixed_split", "tdma"):
-        w = float(model.dl_bandwidth_split(access, 20e6, 2, 3))
-        rates = link_rates(gains, sched, dl_access=access, dl_bandwidth_hz=20e6, noise_w_hz=n0)
-        assert rates["a"]["dl_rate_bps"] == w * np.log2(1 + 1.0 * 10 ** (-100 / 10) / (n0 * w)), access
-    assert link_rates(gains, {}, dl_access="fdma_fixed_split") == {}
-
-
 def test_pinned_and_planned_entries_are_the_same_devices_entries():
     sc = Scenario.from_dict({"devices": DEVICES})
     planned = plan(sc)
@@ -69,8 +55,8 @@ def test_pinned_and_planned_entries_are_the_same_devices_entries():
 def test_an_infeasible_policy_falls_back_for_the_round(caplog):
     """A budget that only a DL-mode upload fits: all-ul finds nothing feasible, the controller plans the round
     with the fallback policy and says why; a budget nothing fits stops the run with a clear error."""
-    from testbed.controller import FALLBACK_POLICY, Controller
-    from testbed.errors import TestbedError
+    from edge_node.controller import FALLBACK_POLICY, Controller
+    from testbed.runtime.errors import TestbedError
 
     devs = [dict(name="a", distance_m=300, draft_time_s=0.02, acceptance=0.7, energy_budget_j=1e-6),
             dict(name="b", distance_m=100, draft_time_s=0.02, acceptance=0.7)]

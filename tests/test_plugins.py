@@ -1,5 +1,5 @@
-"""Plug-ins: users' policies and channel sources (testbed.plugins, testbed.core.policy,
-channel_emulator.source) and the example package examples/ge_threshold, in `plan`, `simulate` and a live
+"""Plug-ins: users' policies and channel sources (testbed.runtime.plugins, testbed.core.policy,
+testbed.channel.source) and the example package examples/ge_threshold, in `plan`, `simulate` and a live
 `compare` on the micro pair; the built-in policies through the interface; every error case.
 
 The example is imported from examples/ge_threshold (put on the path here, installed in CI); entry points are
@@ -18,15 +18,16 @@ import numpy as np
 import pytest
 import yaml
 
-from channel_emulator.source import ChannelSource
-from channel_emulator.state import ChannelState
+from edge_node.controller import Controller, outcome_of, round_record
+from testbed.channel.source import ChannelSource
+from testbed.channel.state import ChannelState
 from testbed.cli import main
-from testbed.controller import Controller, outcome_of, round_record
 from testbed.core.optimizer import POLICIES, BuiltinPolicy, plan
 from testbed.core.policy import Decision, DeviceResult, Policy, PolicyError, RoundOutcome
 from testbed.core.radio import path_loss_db
 from testbed.core.scenario import Scenario
-from testbed.plugins import (
+from testbed.run.profile import ProfileError, load_profile
+from testbed.runtime.plugins import (
     CHANNEL_GROUP,
     POLICY_GROUP,
     NamedPolicy,
@@ -36,7 +37,6 @@ from testbed.plugins import (
     load_channel_source,
     load_policy,
 )
-from testbed.profile import ProfileError, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ge_threshold"
@@ -271,7 +271,7 @@ def test_gilbert_elliott_is_a_channel_source_with_the_stationary_law():
 ])
 def test_a_source_that_answers_badly_is_a_clear_error(tmp_path, monkeypatch, cls, message):
     _module(tmp_path, monkeypatch, "srcs", """
-        from channel_emulator.source import LinkState
+        from testbed.channel.source import LinkState
         class Base:
             def __init__(self, cfg, devices):
                 self.names = [d["name"] for d in devices]

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from testbed import report
-from testbed.controller import Controller, DeviceOutcome, round_record
-from testbed.errors import TestbedError
-from testbed.profile import ProfileError, load_profile
-from testbed.records import RunRecorder, load_progress, load_run
-from testbed.scenario_file import load_scenario
+from edge_node.controller import Controller, DeviceOutcome, round_record
+from testbed.analysis import report
+from testbed.run.profile import ProfileError, load_profile
+from testbed.run.scenario_file import load_scenario
+from testbed.runtime.errors import TestbedError
+from testbed.runtime.records import RunRecorder, load_progress, load_run
 
 SCEN = {"bits_per_prob": 16, "max_draft_len": 6,
         "devices": [{"name": "a", "distance_m": 100, "draft_time_s": 0.01, "acceptance": 0.7},
@@ -265,7 +265,7 @@ def test_report_command(tmp_path, capsys):
 
 
 def test_json_text_is_strict_json_with_null_for_non_finite_numbers():
-    from testbed.records import json_text
+    from testbed.runtime.records import json_text
 
     text = json_text({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": np.float64("nan"),
                       "d": np.arange(2)}, indent=1)

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from channel_emulator.traces import load_mahimahi, load_throughput_csv
 from testbed import PROFILES_DIR
-from testbed.launcher import run_live
-from testbed.plugins import channel_state_from_config
-from testbed.profile import load_profile
-from testbed.records import load_run
-from testbed.run_plots import write_run_plots
+from testbed.analysis.run_plots import write_run_plots
+from testbed.channel.traces import load_mahimahi, load_throughput_csv
+from testbed.run.live import run_live
+from testbed.run.profile import load_profile
+from testbed.runtime.plugins import channel_state_from_config
+from testbed.runtime.records import load_run
 
 
 def _model(pair) -> dict:

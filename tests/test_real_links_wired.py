@@ -10,17 +10,17 @@ import time
 import numpy as np
 import pytest
 
-from channel_emulator.state import ChannelState
-from channel_emulator.traces import load_mahimahi, load_throughput_csv
 from device_node.link_probe import LinkMeasurement
 from device_node.node import link_reading
+from edge_node.controller import Controller, DeviceOutcome, channel_links, round_record
 from testbed import PROFILES_DIR
-from testbed.controller import Controller, DeviceOutcome, channel_links, round_record
+from testbed.channel.state import ChannelState
+from testbed.channel.traces import load_mahimahi, load_throughput_csv
 from testbed.core import model
 from testbed.core.optimizer import plan
 from testbed.core.scenario import Scenario
-from testbed.link_estimate import LinkEstimator, fit_line
-from testbed.profile import ProfileError, load_profile
+from testbed.run.profile import ProfileError, load_profile
+from testbed.runtime.link_estimate import LinkEstimator, fit_line
 from testbed.wire import messages as M
 
 TRACES = PROFILES_DIR / "traces"

@@ -1,4 +1,4 @@
-"""Rehearsals: a busy-polling node reruns the last message's checks while it waits (`testbed.waiting`)."""
+"""Rehearsals: a busy-polling node reruns the last message's checks while it waits (`testbed.runtime.waiting`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 import pytest
 import zmq
 
-from testbed.launcher import run_live
-from testbed.profile import load_profile
-from testbed.records import load_run
-from testbed.waiting import REHEARSE_ENV, REHEARSE_EVERY_S, rehearsal_wanted, wait_readable
+from testbed.run.live import run_live
+from testbed.run.profile import load_profile
+from testbed.runtime.records import load_run
+from testbed.runtime.waiting import REHEARSE_ENV, REHEARSE_EVERY_S, rehearsal_wanted, wait_readable
 
 
 @pytest.fixture()

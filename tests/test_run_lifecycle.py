@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed.errors import TestbedError
-from testbed.launcher import Launcher, RunInterrupted, interrupt_signals, run_live
-from testbed.profile import load_profile
-from testbed.records import RunRecorder, load_progress, load_run, new_run_dir
+from testbed.run.launcher import Launcher, RunInterrupted, interrupt_signals
+from testbed.run.live import run_live
+from testbed.run.profile import load_profile
+from testbed.runtime.errors import TestbedError
+from testbed.runtime.records import RunRecorder, load_progress, load_run, new_run_dir
 
 CLI = [sys.executable, "-c", "import sys; from testbed.cli import main; sys.exit(main(sys.argv[1:]))"]
 
@@ -316,8 +317,8 @@ def test_a_run_with_keys_uses_curve_everywhere(micro_pair, tmp_path, monkeypatch
     import inspect
 
     from edge_node.server import EdgeServer
-    from testbed import records as records_module
-    from testbed.security import generate_keys, stop_authenticators
+    from testbed.runtime import records as records_module
+    from testbed.runtime.security import generate_keys, stop_authenticators
 
     generate_keys(tmp_path / "keys", ["d0", "d1"])
     profile = load_profile(_profile_data(micro_pair, rounds=4, channel={"mode": "real"},
@@ -356,7 +357,7 @@ def test_an_unwritable_runs_directory_is_a_clear_error(micro_pair, tmp_path):
 
 
 def test_profile_refuses_infinite_values_and_unknown_hardware(micro_pair):
-    from testbed.profile import ProfileError
+    from testbed.run.profile import ProfileError
 
     data = _profile_data(micro_pair)
     data["scenario"]["uplink_bandwidth_hz"] = float("inf")
@@ -458,7 +459,7 @@ def test_sigterm_raises_run_interrupted_once_then_the_shutdown_is_shielded():
 
 
 def test_children_die_with_their_parent(tmp_path):
-    code = ("import sys, time; from pathlib import Path; from testbed.launcher import Launcher; "
+    code = ("import sys, time; from pathlib import Path; from testbed.run.launcher import Launcher; "
             f"p = Launcher(Path({str(tmp_path)!r})).start('sleeper', ['sleep', '60']); "
             "print(p.pid, flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

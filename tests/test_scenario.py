@@ -6,7 +6,7 @@ import pytest
 from testbed import PROFILES_DIR
 from testbed.core import radio
 from testbed.core.scenario import Scenario, ScenarioError
-from testbed.scenario_file import load_scenario
+from testbed.run.scenario_file import load_scenario
 
 PROFILES = PROFILES_DIR / "scenarios"
 

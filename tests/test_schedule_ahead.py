@@ -10,10 +10,10 @@ import time
 import pytest
 import zmq
 
-from testbed.launcher import run_live
-from testbed.profile import load_profile
-from testbed.records import load_run
-from testbed.waiting import busy_poll_wanted, wait_readable
+from testbed.run.live import run_live
+from testbed.run.profile import load_profile
+from testbed.runtime.records import load_run
+from testbed.runtime.waiting import busy_poll_wanted, wait_readable
 from testbed.wire import messages as M
 
 

@@ -7,7 +7,7 @@ import stat
 import pytest
 import zmq
 
-from testbed.security import (
+from testbed.runtime.security import (
     ClientKeys,
     RateLimiter,
     SecurityError,

@@ -9,8 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
-from edge_node.model_pair import DEFAULT_CONFIG, ensure_default_pair, load_manifest, verify_files
-from edge_node.shipped_pair import (
+from model_pairs.cache import ensure_default_pair
+from model_pairs.model_pair import DEFAULT_CONFIG, load_manifest, verify_files
+from model_pairs.shipped_pair import (
     SHIPPED_MANIFEST,
     SHIPPED_ROOT,
     ShippedPairError,
@@ -48,8 +49,8 @@ def test_unpacked_pair_loads_and_drafts_like_its_float16_weights(cached):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from device_node.drafter import OnnxDrafter
-    from edge_node.training import greedy_generate
     from edge_node.verifier import load_target
+    from model_pairs.training import greedy_generate
     from testbed.core.sampling import SamplingParams
 
     assert verify_files(cached) == []
@@ -92,7 +93,7 @@ def test_pack_of_the_unpacked_pair_gives_the_shipped_bytes(cached, tmp_path):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
 def test_damaged_shipped_file_is_a_clear_error(tmp_path, monkeypatch, damage):
-    import edge_node.shipped_pair as sp
+    import model_pairs.shipped_pair as sp
 
     copy = tmp_path / "pairs" / SHIPPED.name
     shutil.copytree(SHIPPED, copy)

@@ -5,8 +5,8 @@ import pytest
 
 from device_node.hardware import load_hardware
 from testbed import PROFILES_DIR
-from testbed.profile import load_profile
-from testbed.scenario_file import load_scenario
+from testbed.run.profile import load_profile
+from testbed.run.scenario_file import load_scenario
 
 PROFILES = PROFILES_DIR
 
@@ -32,7 +32,7 @@ def test_hardware_profiles_load(path):
 
 
 def test_a_bad_scenario_field_in_a_run_profile_is_named_at_load():
-    from testbed.profile import ProfileError
+    from testbed.run.profile import ProfileError
 
     with pytest.raises(ProfileError) as err:
         load_profile("emulation", {"scenario.devices": [{"name": "d0", "acceptance": 1.5, "distance_m": 100,

@@ -12,7 +12,7 @@ from testbed import PROFILES_DIR
 from testbed.cli import main
 from testbed.core import model
 from testbed.core.simulate import SimulationError, monte_carlo, parse_sweep, point_scenario, run_sweep, summary_table
-from testbed.scenario_file import load_scenario
+from testbed.run.scenario_file import load_scenario
 
 PROFILES = PROFILES_DIR / "scenarios"
 
@@ -90,7 +90,7 @@ def test_simulate_plots_show_spread_as_side_by_side_error_bars(tmp_path, monkeyp
     from matplotlib.container import ErrorbarContainer
     from matplotlib.figure import Figure
 
-    from testbed.sim_plots import plot_sweep
+    from testbed.analysis.sim_plots import plot_sweep
 
     figs = {}
     save = Figure.savefig

@@ -8,9 +8,9 @@ import pytest
 
 from testbed import PROFILES_DIR
 from testbed.cli import CliError, main
-from testbed.commands.simulate import process_map
+from testbed.cli.simulate import process_map
 from testbed.core.simulate import run_sweep, sweep_tasks
-from testbed.scenario_file import load_scenario
+from testbed.run.scenario_file import load_scenario
 
 DEFAULT = PROFILES_DIR / "scenarios" / "default.yaml"
 # Small but with every random stream in use: drawn devices, a seeded policy, Monte Carlo rounds.

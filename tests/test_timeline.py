@@ -1,4 +1,4 @@
-"""testbed.timeline: opt-in stamps written by each process at exit, and a round's steps read back in order."""
+"""testbed.runtime.timeline: opt-in stamps written by each process at exit, and a round's steps read back in order."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from testbed.timeline import ENV, critical_path, load
+from testbed.runtime.timeline import ENV, critical_path, load
 
 
 def test_a_process_with_the_variable_writes_its_stamps_at_exit_and_one_without_writes_nothing(tmp_path):
-    code = "from testbed import timeline; timeline.stamp('a'); timeline.stamp('b', 5.0)"
+    code = "from testbed.runtime import timeline; timeline.stamp('a'); timeline.stamp('b', 5.0)"
     env = {k: v for k, v in os.environ.items() if k != ENV}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
     assert list(tmp_path.iterdir()) == []  # off: nothing recorded, nothing written

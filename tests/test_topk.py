@@ -12,7 +12,7 @@ import pytest
 from scipy import stats
 from test_sampling import _output_and_target, _toy_model
 
-from testbed.controller import Controller
+from edge_node.controller import Controller
 from testbed.core import model, payload
 from testbed.core.optimizer import plan
 from testbed.core.sampling import (

@@ -1,6 +1,6 @@
 """Top-k uploads in live runs on the micro pair (real device processes, the channel emulator, the edge):
 the bytes of every UL-mode upload's distributions against the model's payload, acceptance per k, and UL ==
-DL tokens under the same seeds. Every run starts its processes through `testbed.launcher` (stopped by pid)."""
+DL tokens under the same seeds. Every run starts its processes through `testbed.run.launcher` (stopped by pid)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 
 from test_run_lifecycle import _profile_data
 
-from testbed.launcher import run_live
-from testbed.profile import load_profile
-from testbed.records import load_run
+from testbed.run.live import run_live
+from testbed.run.profile import load_profile
+from testbed.runtime.records import load_run
 
 
 def _profile(pair, scenario: dict, **overrides):

@@ -1,4 +1,4 @@
-"""Trace replay (channel_emulator.traces and the trace / live sources of ChannelState): every format's
+"""Trace replay (testbed.channel.traces and the trace / live sources of ChannelState): every format's
 parsing and units, malformed lines named by file and line, replay by time and by round, looped or held,
 rate overrides, the shipped example traces, and live readings with staleness and fallbacks."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from channel_emulator.rates import link_rates
-from channel_emulator.state import ChannelState
-from channel_emulator.traces import (
+from testbed import PROFILES_DIR
+from testbed.channel.state import ChannelState
+from testbed.channel.traces import (
     TraceError,
     detect_format,
     load_entry,
@@ -20,7 +20,7 @@ from channel_emulator.traces import (
     load_throughput_csv,
     load_ucc,
 )
-from testbed import PROFILES_DIR
+from testbed.core import radio
 
 ROOT = Path(__file__).resolve().parents[1]
 N0 = 10 ** ((-174 - 30) / 10)  # W/Hz: the state's default noise (-174 dBm/Hz, 0 dB noise figure)
@@ -185,8 +185,8 @@ def test_rate_traces_fix_rates_and_snr_traces_give_gains(tmp_path):
                                    [{"name": "p"}, {"name": "q"}])
     assert {k: round(st2.gain_to_snr_db(k, g), 9) for k, g in st2.gains_db(0, 0.0).items()} == {"p": 1, "q": 2}
     # d0 has only a UL rate: its gain gives exactly that Shannon rate at its reference power (0.2 W, 1 MHz).
-    r = link_rates({"d0": g["d0"]}, {"d0": {"mode": "UL", "ul_power_w": 0.2}}, noise_w_hz=st.noise_w_hz)
-    assert r["d0"]["ul_rate_bps"] == pytest.approx(600e3, rel=1e-9)
+    ul = radio.shannon_rate_bps(1e6, 0.2, radio.db_to_linear(g["d0"]), st.noise_w_hz)
+    assert ul == pytest.approx(600e3, rel=1e-9)
 
 
 def test_trace_replay_by_round_looped_or_held_and_rate_floor(tmp_path):

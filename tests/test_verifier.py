@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from device_node.drafter import OnnxDrafter
-from edge_node.training import greedy_generate
 from edge_node.verifier import BatchedVerifier, load_target
+from model_pairs.training import greedy_generate
 from testbed.core.sampling import RoundRandomness, SamplingParams, speculative_round, to_probs
 
 
@@ -95,7 +95,7 @@ def test_speculative_loop_with_onnx_drafter_and_batched_verifier(micro_pair, tar
     greedy output exactly; sampled output must equal the uncached reference loop with the same seeds."""
     from transformers import AutoModelForCausalLM
 
-    from edge_node.training import speculative_generate
+    from model_pairs.training import speculative_generate
 
     prompts = {"d0": [12, 40, 7, 90, 33], "d1": list(range(50, 80, 3))}
     new_tokens = 24

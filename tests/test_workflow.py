@@ -3,7 +3,7 @@ name the flag, did-you-mean, one profile resolution), finding and comparing runs
 compare directory, `compare --repeats`), the flat export, simulate's --out, and clear errors.
 
 Run directories are synthesized with the real writer (RunRecorder) and real round records
-(testbed.controller.round_record), not by running the live testbed."""
+(edge_node.controller.round_record), not by running the live testbed."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed import report
+from edge_node.controller import Controller, DeviceOutcome, round_record
+from testbed.analysis import report
+from testbed.analysis.export import columns, device_rows
 from testbed.cli import main
-from testbed.config_override import Override, fixed_length_notes, parse_set
-from testbed.controller import Controller, DeviceOutcome, round_record
-from testbed.export import columns, device_rows
-from testbed.profile import ProfileError, find_profile, load_profile
-from testbed.records import RunRecorder
-from testbed.scenario_file import load_scenario
+from testbed.run.config_override import Override, fixed_length_notes, parse_set
+from testbed.run.profile import ProfileError, find_profile, load_profile
+from testbed.run.scenario_file import load_scenario
+from testbed.runtime.records import RunRecorder
 
 SCEN = {"bits_per_prob": 16, "max_draft_len": 6,
         "devices": [{"name": "a", "distance_m": 100, "draft_time_s": 0.01, "acceptance": 0.7},
@@ -232,7 +232,7 @@ def test_fixed_length_clamped_or_ignored_is_warned(capsys):
 
 
 def test_run_of_a_lan_profile_says_what_it_waits_for(tmp_path, monkeypatch, capsys):
-    import testbed.commands.run as run_cmd
+    import testbed.cli.run as run_cmd
 
     seen = {}
     monkeypatch.setattr(run_cmd, "execute", lambda args, profile, run_dir, **kw: seen.setdefault("dir", run_dir) and 0)
@@ -307,7 +307,7 @@ def test_runs_in_a_compare_directory_have_their_own_start_oldest_first(runs_dir,
     # A run without created_utc keeps its folder's stamp; an offset other than UTC is converted.
     interrupted = next(ln for ln in body if ln.endswith("20250101-140000-proposed"))
     assert interrupted.startswith("2025-01-01 14:00:00")
-    from testbed.runs_index import run_info
+    from testbed.analysis.runs_index import run_info
 
     run = synth_run(runs_dir / "late", 1, created_utc="2025-01-02T01:30:00+02:00")
     assert run_info(run).stamp == "2025-01-01 23:30:00"
@@ -362,7 +362,8 @@ def test_report_of_a_compare_directory(runs_dir, capsys):
 
 
 def test_compare_with_repeats_gives_the_spread_and_its_plot(tmp_path, monkeypatch, capsys):
-    import testbed.launcher as launcher
+    import testbed.run.launcher as launcher
+    import testbed.run.live as live
 
     calls = []
 
@@ -372,7 +373,7 @@ def test_compare_with_repeats_gives_the_spread_and_its_plot(tmp_path, monkeypatc
                   seed=profile.seed)
         return json.loads((run_dir / "summary.json").read_text())
 
-    monkeypatch.setattr(launcher, "run_live", fake_run_live)
+    monkeypatch.setattr(live, "run_live", fake_run_live)
     monkeypatch.setattr(launcher, "resolve_pair", lambda profile, progress=True: {})
     monkeypatch.setattr(launcher, "require_edge_extra", lambda: None)
     assert main(["compare", "--policies", "proposed,all-ul", "--repeats", "3", "--seed", "5", "--runs-dir",
@@ -466,7 +467,7 @@ def test_parquet_is_the_csv_table(runs_dir, tmp_path, capsys):
 
 def test_parquet_keeps_missed_devices_and_mixed_columns(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
-    from testbed.export import write_parquet
+    from testbed.analysis.export import write_parquet
 
     recs = synth_records(2)
     recs[1]["devices"]["b"] = {**recs[1]["devices"]["b"], "missed": True, "measured": None}

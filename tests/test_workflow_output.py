@@ -2,7 +2,7 @@
 policy in every title, a legend on the timeline, predicted and measured goodput told apart), the progress bar's
 units, `channel validate` when nothing is in the target's scope, and simulate's table without a comparison.
 
-Records are real round records (testbed.controller.round_record); the validate test starts one emulator."""
+Records are real round records (edge_node.controller.round_record); the validate test starts one emulator."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def drawn(monkeypatch, tmp_path):
         return save(self, path, *a, **kw)
 
     monkeypatch.setattr(Figure, "savefig", keep)
-    from testbed.run_plots import write_run_plots
+    from testbed.analysis.run_plots import write_run_plots
 
     write_run_plots(_records(80), tmp_path, title="20250101-000000-proposed")
     return figs
@@ -72,7 +72,7 @@ def test_goodput_plot_tells_predicted_from_measured(drawn):
 
 
 def test_progress_bar_names_the_round_goodput_with_units():
-    from testbed.session import progress_postfix
+    from testbed.run.session import progress_postfix
 
     rec = _records(1)[0]
     text = progress_postfix(rec, 42)

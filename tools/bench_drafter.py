@@ -15,7 +15,8 @@ from bench_common import interleaved_medians  # tools/ is on sys.path when a scr
 
 
 def pick_pair(args):
-    from edge_node.model_pair import DEFAULT_CONFIG, MICRO_CONFIG, PairPaths, ensure_pair, pair_dir
+    from model_pairs.cache import ensure_pair
+    from model_pairs.model_pair import DEFAULT_CONFIG, MICRO_CONFIG, PairPaths, pair_dir
 
     if args.pair:
         return PairPaths.under(Path(args.pair))
@@ -41,7 +42,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from device_node.drafter import OnnxDrafter
-    from edge_node.verifier import cache_kwarg
+    from model_pairs.checkpoints import cache_kwarg
     from testbed.core.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)

@@ -7,7 +7,7 @@ machine load; whether both chose the same schedule; the growth exponent of a log
 time against N; and the targets: N = 128 under 15 ms, N = 512 under 100 ms (issue 12), and N = 128 under
 the live controller's budget of 100 ms per plan.
 
-The process keeps freed heap memory as `multispin` does (`testbed.heap`); --default-malloc times it with
+The process keeps freed heap memory as `multispin` does (`testbed.runtime.heap`); --default-malloc times it with
 glibc's defaults instead, under which large temporaries fault their pages in again at every greedy step.
 
 Run: python tools/bench_optimizer.py [--repeats R] [--sizes 8,32,128,512] [--against REV | --no-compare]
@@ -30,7 +30,7 @@ from bench_common import interleaved_medians  # tools/ is on sys.path when a scr
 from testbed.core.optimizer import plan
 from testbed.core.scenario import DropSpec, Scenario, ScenarioError
 from testbed.core.simulate import draw_devices
-from testbed.heap import keep_freed_memory
+from testbed.runtime.heap import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout (git revisions), not an import path
 
@@ -81,7 +81,7 @@ def main() -> int:
     kept = False if args.default_malloc else keep_freed_memory()
     print(f"heap: {'freed memory kept for reuse (as multispin)' if kept else 'malloc defaults'}")
     sizes = [int(x) for x in args.sizes.split(",")]
-    from testbed.config_override import OverrideError, parse_set
+    from testbed.run.config_override import OverrideError, parse_set
 
     try:  # values read as YAML, as `multispin --set` reads them (numbers, lists, null)
         fields = {o.key: o.value for o in parse_set(args.set)}

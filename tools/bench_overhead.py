@@ -12,7 +12,7 @@ pass-through channel schedules each round with the previous round's verdicts, an
 and one for the device (`busy_poll: auto`) both busy-poll (docs/architecture.md). `--curve on` authenticates and
 encrypts the edge's socket (CURVE, keys made for the run; loopback tcp), `both` measures it beside a plain
 tcp run in the same repetitions, so the cost of security reads off one table. `--rehearse both` likewise
-runs the nodes with and without their rehearsals (`testbed.waiting`: a busy-polling node reruns the last
+runs the nodes with and without their rehearsals (`testbed.runtime.waiting`: a busy-polling node reruns the last
 message's checks while it waits).
 
 Then where the time goes: per phase of a round, the median over rounds (then over repetitions) of the live
@@ -28,7 +28,7 @@ run's times, from its round records (the device's drafting time, the draft's arr
 The machine's load moves all of these (2 shared cores): compare runs made side by side, as this tool does.
 
 `--timeline` also stamps each step of a round in both processes on the host's one monotonic clock
-(`testbed.timeline`) and prints, from the edge's verdict to its next verification, when each step happened
+(`testbed.runtime.timeline`) and prints, from the edge's verdict to its next verification, when each step happened
 (the median over rounds) and how long after the step before: each message's encode, send, trip, decode and
 check, on the critical path or beside it.
 
@@ -53,7 +53,8 @@ TARGET = 0.9
 
 
 def pair_paths(which: str):
-    from edge_node.model_pair import MICRO_CONFIG, PairPaths, build_pair, ensure_default_pair
+    from model_pairs.cache import ensure_default_pair
+    from model_pairs.model_pair import MICRO_CONFIG, PairPaths, build_pair
 
     if which == "default":
         return ensure_default_pair(progress=True)
@@ -114,25 +115,26 @@ def main(argv=None) -> int:
     ap.add_argument("--busy-poll", choices=["auto", "on", "off"], default="auto",
                     help="the live run's busy_poll setting (default auto, as multispin run)")
     ap.add_argument("--rehearse", choices=["on", "off", "both"], default="on",
-                    help="busy-polling nodes rehearse a message's checks while they wait (testbed.waiting); "
+                    help="busy-polling nodes rehearse a message's checks while they wait (testbed.runtime.waiting); "
                          "both: with and without, side by side")
     ap.add_argument("--timeline", action="store_true",
-                    help="also stamp each step in both processes (testbed.timeline) and print a round's timeline")
+                    help="also stamp each step in both processes (runtime.timeline) and print a round's timeline")
     ap.add_argument("--no-cold-probe", action="store_true",
                     help="skip the host's cold-step probe (tools/bench_cold.py, about 3 s) after the runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
     from testbed.core.sampling import SamplingParams
-    from testbed.launcher import load_tokenizer, run_live
-    from testbed.profile import load_profile
-    from testbed.records import load_run
-    from testbed.waiting import REHEARSE_ENV
+    from testbed.run.launcher import load_tokenizer
+    from testbed.run.live import run_live
+    from testbed.run.profile import load_profile
+    from testbed.runtime.records import load_run
+    from testbed.runtime.waiting import REHEARSE_ENV
 
     paths = pair_paths(args.pair)
     stamps_dir = Path(tempfile.mkdtemp(prefix="ms-bench-timeline-")) if args.timeline else None
     if stamps_dir is not None:
-        from testbed import timeline
+        from testbed.runtime import timeline
 
         timeline.enable(stamps_dir)  # the edge runs in this process; the device process inherits it
     prompt = "The :mod:`json` module provides"
@@ -224,7 +226,7 @@ def cold_step_ratio() -> float:
 def round_timeline(events: list) -> list[dict]:
     """From the edge's verdict to its next verification, each step's median time after the verdict (over the
     live runs' rounds, both processes on one clock) and the step before it."""
-    from testbed.timeline import critical_path
+    from testbed.runtime.timeline import critical_path
 
     rows = critical_path(events, "edge: verdict encoded", "edge: verification starts")
     most = max((n for _, _, n in rows), default=0)
@@ -247,7 +249,7 @@ def variant_profile(base: dict, variant: str, keys_dir: Path) -> dict:
     port = free_port()
     prof = {**base, "endpoints": {"edge_bind": f"tcp://127.0.0.1:{port}"}}
     if variant == "curve":
-        from testbed.security import generate_keys
+        from testbed.runtime.security import generate_keys
 
         if not (keys_dir / "server.key_secret").exists():
             generate_keys(keys_dir, ["d0"])

@@ -31,7 +31,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def pair_paths(which: str):
-    from edge_node.model_pair import MICRO_CONFIG, PairPaths, build_pair
+    from model_pairs.model_pair import MICRO_CONFIG, PairPaths, build_pair
 
     if which == "micro":
         root = Path(tempfile.gettempdir()) / "multispin-bench-micro"

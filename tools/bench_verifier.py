@@ -39,8 +39,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     if args.random:
-        from edge_node.checkpoints import _torch_dtype
-        from edge_node.training import ModelShape, make_model
+        from model_pairs.checkpoints import _torch_dtype
+        from model_pairs.training import ModelShape, make_model
 
         h, layers, heads, ff, vocab = (int(x) for x in args.random.split(","))
         path = f"random Llama {args.random}"

@@ -32,7 +32,7 @@ ARCHES = {
 def build_model(args):
     import torch
 
-    from edge_node.checkpoints import load_causal_lm
+    from model_pairs.checkpoints import load_causal_lm
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.target:

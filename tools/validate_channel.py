@@ -6,8 +6,8 @@
 import argparse
 import sys
 
-from testbed.commands import channel
-from testbed.errors import TestbedError
+from testbed.cli import channel
+from testbed.runtime.errors import TestbedError
 
 
 def main(argv: list[str]) -> int:

@@ -204,9 +204,9 @@ def run_sweep(base: Scenario, key: str, values: Iterable, *, drops: int = 5,
     plan when the tasks run here. `map_tasks(task, tasks)` runs them elsewhere (processes, a cluster): it
     calls `task(*t)` for each t of `tasks` and returns the results in the order of `tasks`. `channel`: see
     `run_task` (it travels to the workers, so a picklable callable). Policies: names in POLICIES or Policy
-    objects (testbed.plugins.load_policy)."""
+    objects (testbed.runtime.plugins.load_policy)."""
     policies = list(policies or DEFAULT_POLICIES)
-    # a name in POLICIES, or a Policy object (a plug-in; testbed.plugins.load_policy)
+    # a name in POLICIES, or a Policy object (a plug-in; testbed.runtime.plugins.load_policy)
     bad = [p for p in policies if isinstance(p, str) and p not in POLICIES or not isinstance(p, str)
            and not callable(getattr(p, "decide", None))]
     if bad:

@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 
-from channel_emulator.source import LinkState
+from testbed.channel.source import LinkState
 from testbed.core import radio
 
 OPTIONS = {"p_good_to_bad": 0.1, "p_bad_to_good": 0.3, "bad_loss_db": 20.0, "path_loss_law": "3gpp_macro"}

@@ -1,0 +1,1 @@
+"""Reading runs: summaries and reports, plots, the runs index, exports."""

@@ -1,0 +1,98 @@
+"""Plots of a live campaign (matplotlib, Agg), from its results.csv rows: per policy, the measured value
+against the swept key (solid, filled markers; with several repeats the mean and a bar from the lowest to
+the highest run) and the model's prediction for the same runs beside it (dashed, open markers).
+
+goodput.png always; tokens_per_j.png when the runs carry a measured energy (hardware profiles with the
+energy fields). The axis of a simulator key carries its symbol and unit, as in `multispin simulate`'s plots.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from testbed.analysis.sim_plots import AXES, axis_label
+
+# (file, measured column, predicted column, y label)
+METRICS = (("goodput.png", "measured_goodput_tps", "predicted_goodput_tps", "goodput (tokens/s)"),
+           ("tokens_per_j.png", "measured_tokens_per_j", "predicted_tokens_per_j", "tokens per joule (all devices)"))
+
+
+def _points(rows: list[dict]) -> tuple[list, bool]:
+    """The sweep values in order, and whether they are numbers (then the x-axis is numeric)."""
+    values = [json.loads(v) for v in dict.fromkeys(json.dumps(r["value"]) for r in rows)]
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    return (sorted(values) if numeric else values), numeric
+
+
+def _series(rows: list[dict], policy: str, metric: str, values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, lowest and highest of `metric` per sweep value (NaN where the policy has no run there)."""
+    mean, low, high = [], [], []
+    for v in values:
+        got = [float(r[metric]) for r in rows
+               if r["policy"] == policy and r["value"] == v and r.get(metric) is not None]
+        mean.append(np.mean(got) if got else np.nan)
+        low.append(min(got) if got else np.nan)
+        high.append(max(got) if got else np.nan)
+    return np.array(mean), np.array(low), np.array(high)
+
+
+def plot_metric(rows: list[dict], path: Path, key: str, measured: str, predicted: str, ylabel: str,
+                title: str | None = None) -> Path:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    values, numeric = _points(rows)
+    factor = AXES.get(key, (key, 1.0))[1]
+    x = np.array(values, float) * factor if numeric else np.arange(len(values))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    repeats = max((r["repeat"] for r in rows), default=0) + 1
+    handles = []
+    for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+        color = colors[i % len(colors)]
+        m, lo, hi = _series(rows, policy, measured, values)
+        p, _, _ = _series(rows, policy, predicted, values)
+        yerr = np.vstack([m - lo, hi - m]) if repeats > 1 else None
+        handles.append(ax.errorbar(x, m, yerr=yerr, color=color, marker="o", ms=5, lw=1.6, capsize=3,
+                                   label=f"{policy}, measured"))
+        handles += ax.plot(x, p, color=color, marker="o", ms=5, mfc="white", lw=1.2, ls="--",
+                           label=f"{policy}, predicted")
+    ax.set_xlabel(axis_label(key))
+    ax.set_ylabel(ylabel)
+    if numeric and len(x) > 1 and x.min() > 0 and x.max() / x.min() >= 20:
+        ax.set_xscale("log")
+        ax.set_xticks(x, [format(v, "g") for v in x])  # the swept values, written plainly
+        ax.minorticks_off()
+    elif not numeric:
+        ax.set_xticks(x, [str(v) for v in values])
+    elif len(x) <= 12:
+        ax.set_xticks(x, [format(v, "g") for v in x])
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=all(float(v).is_integer() for v in values)))
+    spread = f"mean of {repeats} repeats, bars: lowest to highest run" if repeats > 1 else "one run per point"
+    head = f"{title}: " if title else ""
+    ax.set_title(f"{head}{ylabel.split(' (')[0]} per policy, live testbed ({spread});\nsolid: measured, dashed: "
+                 f"the model's prediction for the same runs", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(handles=handles, fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def plot_campaign(rows: list[dict], out_dir: str | Path, key: str, title: str | None = None) -> list[Path]:
+    """goodput.png (and tokens_per_j.png when the runs carry energy) in `out_dir`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, measured, predicted, ylabel in METRICS:
+        if any(r.get(measured) is not None for r in rows):
+            paths.append(plot_metric(rows, out / name, key, measured, predicted, ylabel, title))
+    return paths

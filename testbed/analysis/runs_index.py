@@ -1,0 +1,414 @@
+"""Finding and comparing run directories: `multispin runs` (a table of past runs), `multispin report A B`
+(side by side), `compare` directories (one run per policy and repeat: the spread per policy, a bar chart).
+
+Everything here reads what a run leaves behind and tolerates partial runs: a run killed before its first
+round has a meta.json and nothing else; a crashed one a meta.json saying "running" whose process is gone;
+an old one a summary.json with the keys of an earlier release.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from testbed.runtime.errors import TestbedError
+
+RUN_FILES = ("meta.json", "rounds.jsonl", "summary.json")
+_STAMP = re.compile(r"^(\d{4})(\d{2})(\d{2})-(\d{2})(\d{2})(\d{2})")
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory a run wrote (any of its files is enough: a run can stop before the others exist)."""
+    return path.is_dir() and any((path / f).is_file() for f in RUN_FILES)
+
+
+def child_runs(path: Path) -> list[Path]:
+    """The run directories directly inside `path` (a `compare` directory): in the order its compare.json
+    lists the policies (the first is the reference), then by name."""
+    if not path.is_dir():
+        return []
+    runs = sorted(p for p in path.iterdir() if is_run_dir(p))
+    order = _read_json(path / "compare.json").get("policies")
+    if isinstance(order, list):
+        rank = {str(pol): k for k, pol in enumerate(order)}
+        runs.sort(key=lambda p: min((k for pol, k in rank.items() if p.name == pol or p.name.startswith(f"{pol}-rep")),
+                                    default=len(rank)))
+    return runs
+
+
+def is_group_dir(path: Path) -> bool:
+    """A `compare` directory: runs of one comparison (its compare.json, or the -compare name of a compare
+    that stopped early). A folder of unrelated runs (runs/) is not one: `multispin runs` lists that."""
+    if is_run_dir(path) or not child_runs(path):
+        return False
+    return (path / "compare.json").is_file() or path.name.endswith("-compare") or "-compare-" in path.name
+
+
+def plot_title(run_dir: str | Path) -> str:
+    """A run's name in plot titles: its folder, after its compare directory's when it is in one."""
+    run_dir = Path(run_dir).resolve()
+    return f"{run_dir.parent.name}/{run_dir.name}" if is_group_dir(run_dir.parent) else run_dir.name
+
+
+def expand_run_dirs(paths: list[str | Path]) -> list[Path]:
+    """Run directories named on the command line; a `compare` directory stands for the runs inside it."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if is_run_dir(p):
+            out.append(p)
+        elif is_group_dir(p):
+            out += child_runs(p)
+        elif child_runs(p):
+            raise TestbedError(f"{p}: a folder of {len(child_runs(p))} runs, not one comparison: list them with "
+                               f"`multispin runs {p}`, or name the runs to set side by side")
+        elif not p.exists():
+            raise TestbedError(f"{p}: no such directory")
+        else:
+            raise TestbedError(f"{p}: not a run directory (no {', '.join(RUN_FILES)}) and no runs inside it")
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def goodput_of(summary: dict) -> tuple[float | None, float | None]:
+    """(measured, predicted) run goodput in tokens/s, from this release's summary or an earlier one's."""
+    g = summary.get("goodput_run_tps")
+    if isinstance(g, dict):
+        return g.get("measured"), g.get("predicted")
+    return summary.get("goodput_measured_tps"), summary.get("goodput_predicted_tps")
+
+
+def _alive(meta: dict) -> bool | None:
+    """Whether the process that wrote a "running" meta.json still exists (None: cannot tell from here)."""
+    pid, host = meta.get("pid"), meta.get("host")
+    if not isinstance(pid, int) or (host and host != socket.gethostname()):
+        return None
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class RunInfo:
+    """What `runs` and `report A B` show of one run directory."""
+
+    path: Path
+    label: str                       # the folder name; for a run in a compare directory: "<compare>/<run>"
+    stamp: str | None = None         # UTC start, "YYYY-MM-DD HH:MM:SS"
+    profile: str | None = None
+    policy: str | None = None
+    channel: str | None = None       # the channel mode: real, virtual or passthrough (times differ in meaning)
+    seed: int | None = None
+    status: str = "unknown"
+    reason: str | None = None
+    rounds: int = 0                  # recorded rounds
+    rounds_planned: int | None = None
+    measured_tps: float | None = None
+    predicted_tps: float | None = None
+    summary: dict = field(default_factory=dict, repr=False)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["path"] = str(self.path)
+        d.pop("summary")
+        return d
+
+
+def run_info(path: str | Path, label: str | None = None, fresh: bool = False) -> RunInfo:
+    """One run's facts from meta.json and summary.json; without a summary (a run still going, or killed),
+    or with `fresh`, the summary is computed from rounds.jsonl. The start stamp is the run's own (meta.json's
+    created_utc; without it the run folder's name, then, for a run inside a compare directory, that
+    directory's)."""
+    path = Path(path)
+    meta, summary = _read_json(path / "meta.json"), _read_json(path / "summary.json")
+    prof = meta.get("profile") if isinstance(meta.get("profile"), dict) else {}
+    if fresh or not summary.get("rounds"):
+        records = []
+        if (path / "rounds.jsonl").is_file():
+            from testbed.runtime.records import iter_rounds
+
+            records = list(iter_rounds(path))
+        if records:
+            from testbed.analysis import report
+
+            try:
+                summary = {**summary, **report.summarize(records)}
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):  # records of another release
+                summary = {**summary, "rounds": len(records)}
+    stamp = _utc_stamp(meta.get("created_utc"))
+    if stamp is None:
+        m = _STAMP.match(path.name) or _STAMP.match(path.parent.name)
+        stamp = f"{m[1]}-{m[2]}-{m[3]} {m[4]}:{m[5]}:{m[6]}" if m else None
+    status = meta.get("status") or summary.get("status") or ("empty" if not summary.get("rounds") else "unknown")
+    if status == "running" and _alive(meta) is False:
+        status = "died"  # meta.json still says running, but its process is gone (killed -9, power cut)
+    measured, predicted = goodput_of(summary)
+    return RunInfo(path=path, label=label or path.name, stamp=stamp, profile=prof.get("name"),
+                   policy=summary.get("policy") or prof.get("policy"),
+                   channel=(prof["channel"].get("mode") if isinstance(prof.get("channel"), dict) else None)
+                   or summary.get("channel_mode"),
+                   seed=prof.get("seed"), status=status,
+                   reason=meta.get("reason") or summary.get("reason"), rounds=int(summary.get("rounds") or 0),
+                   rounds_planned=prof.get("rounds"), measured_tps=measured, predicted_tps=predicted,
+                   summary=summary)
+
+
+def _utc_stamp(created: Any) -> str | None:
+    """meta.json's created_utc (ISO 8601) as "YYYY-MM-DD HH:MM:SS" in UTC; None when absent or unreadable."""
+    from datetime import datetime, timezone
+
+    if not isinstance(created, str) or not created:
+        return None
+    try:
+        t = datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if t.tzinfo is not None:
+        t = t.astimezone(timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def find_runs(root: str | Path) -> list[RunInfo]:
+    """Every run under `root`: its run directories, and the runs inside each compare directory, each with its
+    own start stamp, oldest first (runs whose start is unknown first; equal stamps keep the folder order and,
+    in a compare directory, the order of its policies)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise TestbedError(f"{root}: no such directory (runs are written to runs/ by default; "
+                           f"multispin runs DIR lists another folder)")
+    if is_run_dir(root):
+        return [run_info(root)]
+    out = []
+    for p in sorted(root.iterdir()):
+        if is_run_dir(p):
+            out.append(run_info(p))
+        else:
+            out += [run_info(c, label=f"{p.name}/{c.name}") for c in child_runs(p)]
+    out.sort(key=lambda i: (i.stamp is not None, i.stamp or ""))  # stable: ties keep the order above
+    return out
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def format_runs_table(infos: list[RunInfo]) -> str:
+    """The `multispin runs` table: one line per run, units in the header, reasons of unfinished runs below."""
+    if not infos:
+        return "no runs"
+    head = (f"{'started (UTC)':<20}{'profile':<14}{'policy':<20}{'channel':<12}{'status':<12}{'rounds':>9}"
+            f"{'measured':>10}{'predicted':>11}{'meas/pred':>10}  run")
+    units = f"{'':<20}{'':<14}{'':<20}{'':<12}{'':<12}{'done/plan':>9}{'[tok/s]':>10}{'[tok/s]':>11}{'':>10}"
+    lines = [head, units]
+    notes = []
+    for i in infos:
+        ratio = i.measured_tps / i.predicted_tps if i.measured_tps and i.predicted_tps else None
+        rounds = f"{i.rounds}/{i.rounds_planned if i.rounds_planned is not None else '?'}"
+        lines.append(f"{i.stamp or '-':<20}{(i.profile or '-')[:13]:<14}{(i.policy or '-')[:19]:<20}"
+                     f"{(i.channel or '-')[:11]:<12}{i.status[:11]:<12}{rounds:>9}{_num(i.measured_tps, '.2f'):>10}"
+                     f"{_num(i.predicted_tps, '.2f'):>11}{_num(ratio, '.3f'):>10}  {i.path}")
+        if i.status not in ("complete", "running") and (i.reason or i.status == "died"):
+            notes.append(f"  {i.label}: {i.status}: {i.reason or 'its process is gone (meta.json says running)'}")
+    lines.append("goodput: all tokens / all round time (goodput_run_tps); status: complete, running, incomplete, "
+                 "interrupted, failed, died (process gone), empty (no rounds)")
+    if notes:
+        lines += ["not complete:"] + notes
+    return "\n".join(lines)
+
+
+# -- side by side ---------------------------------------------------------------------------------------
+
+def _device_totals(summary: dict) -> dict:
+    devs = summary.get("devices") or {}
+    rounds = sum(d.get("rounds", 0) for d in devs.values())
+    ul = sum(d.get("ul_rounds", 0) for d in devs.values())
+    missed = sum(d.get("missed", 0) for d in devs.values())
+    lens = [(d.get("mean_draft_len"), d.get("rounds", 0) - d.get("missed", 0)) for d in devs.values()]
+    weight = sum(n for m, n in lens if m is not None)
+    return {"device_rounds": rounds, "ul_share": ul / rounds if rounds else None, "missed": missed,
+            "mean_draft_len": sum(m * n for m, n in lens if m is not None) / weight if weight else None}
+
+
+def _labels(infos: list[RunInfo]) -> list[str]:
+    names = [i.path.name for i in infos]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{chr(65 + k % 26)}:{n}" for k, n in enumerate(names)]  # same folder names in different places
+
+
+def side_by_side(infos: list[RunInfo]) -> str:
+    """Runs as columns, measured and predicted numbers as rows (units in the row names)."""
+    labels = _labels(infos)
+    width = max(12, *(len(x) + 2 for x in labels))
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(name: str, values) -> None:
+        rows.append((name, [str(v) for v in values]))
+
+    sums = [i.summary for i in infos]
+    tot = [_device_totals(s) for s in sums]
+    gp = [goodput_of(s) for s in sums]
+    row("profile", [i.profile or "-" for i in infos])
+    row("policy", [i.policy or "-" for i in infos])
+    row("status", [i.status for i in infos])
+    row("seed", [_num(i.seed, "d") for i in infos])
+    row("channel / time base", [f"{s.get('channel_mode') or '-'} / {s.get('time_base') or '-'}" for s in sums])
+    row("rounds (done/planned)", [f"{i.rounds}/{i.rounds_planned if i.rounds_planned is not None else '?'}"
+                                  for i in infos])
+    row("tokens", [_num(s.get("tokens"), "d") for s in sums])
+    row("time [s]", [_num(s.get("time_s"), ".2f") for s in sums])
+    row("goodput measured [tok/s]", [_num(m, ".2f") for m, _ in gp])
+    row("goodput predicted [tok/s]", [_num(p, ".2f") for _, p in gp])
+    row("measured / predicted", [_num(m / p if m and p else None, ".3f") for m, p in gp])
+    mean = [s.get("goodput_mean_round_tps") or {} for s in sums]
+    row("per-round mean meas. [tok/s]", [_num(m.get("measured"), ".2f") for m in mean])
+    row("UL-mode device-rounds [%]", [_num(t["ul_share"] * 100 if t["ul_share"] is not None else None, ".1f")
+                                      for t in tot])
+    row("mean draft length [tok]", [_num(t["mean_draft_len"], ".2f") for t in tot])
+    row("missed device-rounds", [_num(t["missed"], "d") for t in tot])
+    phases = list(dict.fromkeys(k for s in sums for k in (s.get("phase_errors") or {})))
+    for phase in phases:
+        stats = [(s.get("phase_errors") or {}).get(phase) or {} for s in sums]
+        row(f"{phase} med |err| [%]", [_num(st.get("median_abs_error") * 100 if st.get("median_abs_error")
+                                            is not None else None, ".1f") for st in stats])
+    name_w = max(len(n) for n, _ in rows) + 2
+    lines = [f"{'':<{name_w}}" + "".join(f"{x:>{width}}" for x in labels)]
+    lines += [f"{n:<{name_w}}" + "".join(f"{v:>{width}}" for v in vals) for n, vals in rows]
+    parents = {i.path.parent for i in infos}
+    if len(parents) == 1 and labels == [i.path.name for i in infos]:
+        lines.append(f"runs in {parents.pop()}")
+    else:
+        lines.append("runs: " + "; ".join(f"{lab} = {i.path}" for lab, i in zip(labels, infos)))
+    lines.append("med |err|: median over samples of |measured - predicted| / predicted per phase (multispin report "
+                 "RUN for the whole table)")
+    return "\n".join(lines)
+
+
+# -- per policy: the spread over repeats --------------------------------------------------------------------
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+    return mean, std
+
+
+def aggregate(infos: list[RunInfo]) -> list[dict]:
+    """Per policy and channel mode, in first-seen order: runs, measured and predicted goodput as mean and
+    sample std (None for one run), and the runs' own values (for the plot's points). Runs of one policy in
+    different channel modes (real, virtual: times in different meanings) are rows of their own, never one
+    mean; `label` is the policy, with the mode in brackets when the rows mix modes."""
+    by: dict[tuple, list[RunInfo]] = {}
+    for i in infos:
+        by.setdefault((i.policy or "?", i.channel), []).append(i)
+    mixed = len({mode for _, mode in by}) > 1
+    out = []
+    for (policy, mode), runs in by.items():
+        m_mean, m_std = _mean_std([r.measured_tps for r in runs])
+        p_mean, p_std = _mean_std([r.predicted_tps for r in runs])
+        out.append({"policy": policy, "channel": mode, "label": f"{policy} [{mode or '?'}]" if mixed else policy,
+                    "runs": len(runs), "complete": sum(r.status == "complete" for r in runs),
+                    "rounds": sum(r.rounds for r in runs),
+                    "measured_mean_tps": m_mean, "measured_std_tps": m_std,
+                    "predicted_mean_tps": p_mean, "predicted_std_tps": p_std,
+                    "measured_tps": [r.measured_tps for r in runs], "predicted_tps": [r.predicted_tps for r in runs],
+                    "dirs": [str(r.path) for r in runs]})
+    return out
+
+
+def _pm(mean, std) -> str:
+    return "-" if mean is None else f"{mean:.2f} ± {std:.2f}" if std is not None else f"{mean:.2f}"
+
+
+def _label(row: dict) -> str:
+    return row.get("label") or row["policy"]  # rows of an earlier compare.json have no label
+
+
+def format_aggregate(rows: list[dict], reference: str | None = None) -> str:
+    """Per policy (and channel mode, when the runs mix modes): measured and predicted goodput, mean ± sample
+    std over the runs, and the ratio to the reference policy's measured mean (its first row)."""
+    ref = next((r for r in rows if r["policy"] == reference), rows[0] if rows else None)
+    ref_m = ref["measured_mean_tps"] if ref else None
+    width = max([20] + [len(_label(r)) + 2 for r in rows])
+    vs = "vs " + (_label(ref) if ref else "-")
+    vs_w = max(16, len(vs) + 2)
+    lines = [f"{'policy':<{width}}{'runs':>5}{'rounds':>8}{'measured [tok/s]':>20}{'predicted [tok/s]':>20}"
+             f"{'meas/pred':>10}{vs:>{vs_w}}"]
+    for r in rows:
+        m, p = r["measured_mean_tps"], r["predicted_mean_tps"]
+        lines.append(f"{_label(r):<{width}}{r['runs']:>5}{r['rounds']:>8}{_pm(m, r['measured_std_tps']):>20}"
+                     f"{_pm(p, r['predicted_std_tps']):>20}{_num(m / p if m and p else None, '.3f'):>10}"
+                     f"{_num(m / ref_m if m and ref_m else None, '.3f'):>{vs_w}}")
+    n = max((r["runs"] for r in rows), default=1)
+    lines.append("goodput_run_tps per run (all tokens / all round time); "
+                 + ("mean ± sample standard deviation over the runs of a policy" if n > 1 else "one run per policy "
+                    "(--repeats R for the spread)"))
+    modes = list(dict.fromkeys(r.get("channel") for r in rows))
+    if len(modes) > 1:
+        per_mode = "; ".join(f"{mode or 'unknown'}: " + ", ".join(Path(d).name for r in rows if r.get("channel") == mode
+                                                                 for d in r["dirs"]) for mode in modes)
+        lines.append(f"warning: the runs mix channel modes ({per_mode}); each policy is shown per mode "
+                     f"[in brackets], not averaged across modes")
+    return "\n".join(lines)
+
+
+def plot_compare(rows: list[dict], out_dir: str | Path, title: str | None = None) -> list[Path]:
+    """compare_goodput.png: measured and predicted goodput per policy as bars (mean), error bars (± one
+    sample std, with two or more runs) and each run as a point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.5 * len(rows) + 2.5), 4.2))
+    x = np.arange(len(rows))
+    w = 0.38
+    for k, (what, color) in enumerate((("measured", "tab:blue"), ("predicted", "tab:gray"))):
+        means = [r[f"{what}_mean_tps"] or 0.0 for r in rows]
+        stds = [r[f"{what}_std_tps"] or 0.0 for r in rows]
+        pos = x + (k - 0.5) * w
+        ax.bar(pos, means, w, yerr=stds if any(stds) else None, capsize=4, color=color, alpha=0.85, label=what,
+               error_kw={"elinewidth": 1.2})
+        for p, r in zip(pos, rows):
+            pts = [v for v in r[f"{what}_tps"] if v is not None]
+            if len(pts) > 1:  # the runs themselves, spread a little so that equal values stay visible
+                ax.scatter(p + np.linspace(-w / 5, w / 5, len(pts)), pts, s=12, color="k", zorder=3, lw=0)
+    ax.set_xticks(x, [f"{_label(r)}\n(n={r['runs']})" for r in rows])
+    ax.set_ylabel("goodput (tokens/s)")
+    n = max((r["runs"] for r in rows), default=1)
+    spread = "mean ± 1 std over the runs; dots: the runs" if n > 1 else "one run per policy"
+    ax.set_title((f"{title}\n" if title else "") + f"goodput per policy ({spread})", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = out / "compare_goodput.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,187 @@
+"""`multispin run [PROFILE]`: a live run (channel emulator, device processes, edge) into runs/<stamp>/.
+
+Exit status: 0 complete; 1 the run ended incomplete (every device left early; summary.json says why);
+2 an error the user can fix (printed, no traceback); 130 / 143 interrupted by Ctrl-C / SIGTERM (the run
+directory says "interrupted"; `multispin run --resume RUN_DIR` continues it).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("run", help="run the live testbed (default: profiles/emulation.yaml)",
+                              description="Start the channel emulator, one device process per device and the edge; "
+                                          "run the rounds; write runs/<stamp>/ (records, outputs, summary, plots).")
+    p.add_argument("profile", nargs="?", default=None, help="profile YAML or name in profiles/ (default: emulation)")
+    p.add_argument("--rounds", type=int, default=None, help="override the profile's rounds")
+    p.add_argument("--policy", default=None, help="override the profile's policy")
+    p.add_argument("--channel", choices=["real", "virtual", "passthrough"], default=None,
+                   help="override the channel emulator mode")
+    p.add_argument("--seed", type=int, default=None, help="override the profile's seed")
+    p.add_argument("--runs-dir", default="runs", help="parent of the run directory (default: runs)")
+    add_profile_arguments(p)
+    p.add_argument("--no-plots", action="store_true", help="skip the plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bars; log warnings and errors only")
+    add_resume_argument(p, "run")
+    p.set_defaults(handler=handle)
+
+
+def add_resume_argument(p, command: str) -> None:
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue an interrupted run in RUN_DIR with its own profile snapshot, seeds and prompts: "
+                        "rounds are numbered on from the last recorded one, records appended, and each device "
+                        f"goes on from its prompt plus what it generated (multispin {command} --resume RUN_DIR)")
+
+
+def overrides_from_args(args) -> list:
+    """The command line's overrides in order (`--set` first, then the dedicated flags, which win), each
+    remembering its flag: a bad value is reported as that flag's error, not the profile file's."""
+    from testbed.run.config_override import Override, parse_set
+
+    out = parse_set(getattr(args, "set", None))
+    for key, attr, flag in (("rounds", "rounds", "--rounds"), ("policy", "policy", "--policy"),
+                            ("channel.mode", "channel", "--channel"), ("seed", "seed", "--seed")):
+        value = getattr(args, attr, None)
+        if value is not None:
+            out.append(Override(key, value, f"{flag} {value}"))
+    return out
+
+
+def load(args, policies: list[str] | None = None):
+    """The profile of a command that takes one (PROFILE, --set, --rounds, ...); errors name the flag, and a
+    `--set fixed_length=N` that the policies (default: the profile's) clamp or ignore is warned about."""
+    from testbed.cli import warn
+    from testbed.run.config_override import fixed_length_notes
+    from testbed.run.profile import load_profile
+
+    overrides = overrides_from_args(args)
+    profile = load_profile(args.profile, overrides)
+    given = [o for o in overrides if o.key == "fixed_length"]
+    if given:
+        lmax = profile.scenario_obj().max_draft_len
+        for msg in fixed_length_notes(profile.fixed_length, policies or [profile.policy], lmax, given[-1].flag):
+            warn(args.command, msg)
+    return profile
+
+
+def print_config(profile) -> int:
+    """The resolved profile (file, then overrides, then defaults) as YAML on stdout; a mapping (the resolved
+    scenario of `plan`) as it is."""
+    import yaml
+
+    data = profile if isinstance(profile, dict) else profile.snapshot()
+    print(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=110), end="")
+    return 0
+
+
+def add_profile_arguments(p, *, print_config: bool = True, set_help: str | None = None) -> None:
+    """--set and --print-config, the same in every command that takes a profile."""
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help=set_help or "override any profile field: dotted keys, list entries by index or device "
+                                    "name, YAML values, e.g. --set deadline_s=5 --set "
+                                    "scenario.devices.dev0.distance_m=50")
+    if print_config:
+        p.add_argument("--print-config", action="store_true",
+                       help="print the resolved profile (after --set and the flags) as YAML and exit")
+
+
+def resume_target(args, profile_given: bool):
+    """(profile, run_dir, resume) for --resume; options that would change the run are refused."""
+    from testbed.cli import CliError
+    from testbed.run.session import load_resume
+
+    changed = [name for name, given in (("PROFILE", profile_given), ("--set", args.set), ("--rounds", args.rounds),
+                                        ("--policy", args.policy), ("--channel", args.channel),
+                                        ("--seed", args.seed)) if given]
+    if changed:
+        raise CliError(f"--resume continues with the run's own profile snapshot; drop {', '.join(changed)}")
+    profile, resume = load_resume(args.resume)
+    return profile, Path(args.resume), resume
+
+
+def handle(args) -> int:
+    from testbed.run.launcher import require_edge_extra
+    from testbed.runtime.records import new_run_dir
+
+    if args.resume:
+        require_edge_extra()
+        profile, run_dir, resume = resume_target(args, profile_given=args.profile is not None)
+        print(f"run directory: {run_dir} (resuming at round {resume.start_round} of {profile.rounds})")
+    else:
+        profile, resume = load(args), None
+        if args.print_config:
+            return print_config(profile)
+        check_exposed(profile, profile.endpoints.edge_bind)
+        require_edge_extra()  # before an empty run directory is left behind
+        run_dir = new_run_dir(args.runs_dir, profile.policy)
+        print(f"run directory: {run_dir}")
+    if not (profile.start_devices and profile.deployment == "emulation"):
+        # No device processes are started here: say what the run waits for, and where, before it waits.
+        print(device_wait_message(profile, profile.endpoints.edge_bind), flush=True)
+    return execute(args, profile, run_dir, resume=resume)
+
+
+def check_exposed(profile, bind: str | None) -> None:
+    """Endpoints beyond the loopback need keys or `security: insecure`: refused before a run directory is
+    made (the session checks again before it binds)."""
+    from testbed.cli import CliError
+    from testbed.runtime.security import SecurityError, require_keys_or_insecure
+
+    if profile.keys_dir or profile.insecure:
+        return
+    ep = profile.endpoints
+    exposed = [e for e in [bind] + ([ep.channel_frontend, ep.channel_control]
+                                    if profile.channel.mode != "passthrough" else []) if e]
+    try:
+        require_keys_or_insecure(exposed, None, False, "edge")
+    except SecurityError as exc:
+        raise CliError(f"security: {exc}") from None
+
+
+def device_wait_message(profile, bind: str | None) -> str:
+    """What a run without its own device processes waits for: the endpoint the devices connect to, their
+    names, the timeout, and the command to start each device with."""
+    ep = profile.endpoints
+    if profile.channel.mode == "passthrough":
+        connect = ep.device_connect or bind
+    else:
+        connect = ep.device_connect or ep.channel_frontend
+    connect = connect or "(a private ipc:// endpoint of this run)"
+    names = profile.device_names()
+    hint = " (replace 0.0.0.0 by this host's address)" if "0.0.0.0" in connect else ""
+    return (f"waiting up to {profile.wait_for_devices_s:g} s for {len(names)} device(s) {', '.join(names)} to "
+            f"connect to {connect}{hint}; on each device: multispin device --connect {connect} --name "
+            f"{names[0] if names else 'NAME'} --draft draft.onnx")
+
+
+def execute(args, profile, run_dir: Path, **run_kw) -> int:
+    """`run_live`, then the summary and the plots; how the run ended decides the exit status."""
+    from testbed.analysis import report
+    from testbed.analysis.runs_index import plot_title
+    from testbed.run.live import run_live
+    from testbed.runtime.errors import TestbedError
+    from testbed.runtime.records import load_run
+
+    try:
+        summary = run_live(profile, run_dir, progress=not args.quiet, **run_kw)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the rounds so far are in {run_dir}; continue with: "
+              f"multispin {args.command} --resume {run_dir}", file=sys.stderr)
+        raise
+    except TestbedError:
+        print(f"run directory: {run_dir} (failed; see summary.json and logs/)", file=sys.stderr)
+        raise
+    print(report.format_summary(summary))
+    if not getattr(args, "no_plots", False):
+        _, records = load_run(run_dir)
+        if records:
+            paths = report.write_plots(records, Path(run_dir) / "plots", title=plot_title(run_dir))
+            print("plots: " + ", ".join(str(p) for p in paths))
+    print(f"run directory: {run_dir}")
+    if summary.get("status", "complete") != "complete":
+        print(f"run {summary['status']}: {summary.get('reason')}", file=sys.stderr)
+        return 1
+    return 0

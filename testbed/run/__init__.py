@@ -1,0 +1,1 @@
+"""Orchestration: profiles and overrides, the launcher, a run's session, campaigns."""

@@ -1,0 +1,43 @@
+"""One whole live run: the run directory opened, the pair resolved, the session built and driven to its end."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from testbed.run.launcher import interrupt_signals, require_edge_extra, resolve_pair, status_of
+from testbed.run.profile import Profile
+
+
+def run_live(profile: Profile, run_dir: Path, *, progress: bool = True, start_devices: bool | None = None,
+             bind: str | None = None, on_round=None, pair: dict | None = None, resume=None) -> dict:
+    """Run a whole live session and write the run directory; returns the summary dict.
+
+    `start_devices`: start one device process per scenario device (default: the profile's choice, emulation
+    only); `bind`: the edge endpoint (default: the profile's, else a private ipc:// socket);
+    `on_round(record, server, launcher)`: called after each round; `pair`: paths from `resolve_pair`;
+    `resume`: a `testbed.run.session.Resume` (from `load_resume`) to continue an interrupted run in `run_dir`.
+    Raises TestbedError for what the user can fix (model files, prompts, no device registered, ports, keys);
+    SIGTERM and Ctrl-C raise `RunInterrupted` (a KeyboardInterrupt). Whatever happens, the run directory
+    gets meta.json and summary.json with the run's status (complete, incomplete, interrupted or failed).
+    """
+    require_edge_extra()
+    from testbed.runtime.records import RunRecorder
+
+    with interrupt_signals():
+        # a clear error now if the runs directory is not writable
+        recorder = RunRecorder(run_dir, sync_interval_s=profile.records_sync_interval_s)
+        try:
+            if resume is None:
+                recorder.write_meta(profile.snapshot(), status="running", pid=os.getpid())
+            else:
+                recorder.update_meta(status="running", reason=None, pid=os.getpid())
+            pair = pair or resolve_pair(profile, progress=progress)
+            from testbed.run.session import build_session, run_session  # loads torch: only once a run can start
+
+            session = build_session(profile, run_dir, pair, start_devices=start_devices, bind=bind, resume=resume)
+        except BaseException as exc:
+            recorder.end_run(*status_of(exc))
+            recorder.close()
+            raise
+        return run_session(session, progress=progress, on_round=on_round, recorder=recorder)

@@ -37,6 +37,7 @@ from testbed.core.model import distribution_bits, evaluate
 from testbed.core.optimizer import DevicePlan, InfeasiblePlanError, Plan, plan
 from testbed.core.policy import DeviceResult, PolicyError, RoundOutcome, policy_name
 from testbed.core.scenario import Scenario
+from testbed.core.vocabulary import LEGACY_DEVICE_FIELDS, PHASE_FIELDS  # noqa: F401 - re-exported
 from testbed.runtime.energy import EnergyLedger, add_device_energy, add_round_energy
 from testbed.runtime.errors import TestbedError
 
@@ -395,18 +396,6 @@ def channel_links(rp: RoundPlan, fallback_dl_bps: float = 1e9) -> dict[str, dict
 # The phase vocabulary, shared by `multispin plan`, the round record, the report and the docs: name -> meaning.
 # Every one is in seconds. A device's uplink phase is its drafting plus its upload's air time; the round's
 # uplink (downlink) phase is the largest over its devices.
-PHASE_FIELDS = {
-    "draft_s": "drafting on the device (compute, including an emulated slowdown)",
-    "ul_air_s": "air time of the draft upload (its queueing and base latency included)",
-    "uplink_phase_s": "draft_s + ul_air_s (round level: the largest over the devices)",
-    "verify_s": "the one batched verification on the edge",
-    "dl_air_s": "after verification: the verdict's DL air time (DL mode), the reply time c_r (UL mode)",
-    "downlink_phase_s": "round level: the largest dl_air_s (measured: over DL-mode verdicts carrying p_j)",
-    "round_s": "the round, schedules out to the last report",
-}
-# Record fields of earlier releases, kept beside the new names for one release: new name -> old name.
-LEGACY_DEVICE_FIELDS = {"ul_air_s": "uplink_s", "uplink_phase_s": "up_phase_s", "dl_air_s": "downlink_s"}
-
 
 @dataclass
 class Arrival:

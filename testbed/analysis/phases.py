@@ -3,6 +3,8 @@ that earlier releases wrote)."""
 
 from __future__ import annotations
 
+from testbed.core.vocabulary import LEGACY_DEVICE_FIELDS
+
 # The phases compared, under the record's vocabulary (edge_node.controller.PHASE_FIELDS); a bracket narrows the
 # samples: phase -> (where, key, unit). Device phases are compared per device and round; UL air time per mode
 # (a DL-mode upload is a few hundred bytes, a UL-mode one megabytes); DL air time only where a distribution
@@ -18,7 +20,7 @@ PHASES = {
     "goodput_tps": ("round", "goodput_tps", "tok/s"),
 }
 # Records of earlier releases carry the old names only: new name -> old name.
-LEGACY = {"ul_air_s": "uplink_s", "uplink_phase_s": "up_phase_s", "dl_air_s": "downlink_s"}
+LEGACY = LEGACY_DEVICE_FIELDS
 
 
 def _field(times: dict, key: str):

@@ -1,4 +1,4 @@
-"""Validation shared by the emulator's control requests and its rate computation (no dependencies)."""
+"""Validation of the emulator's control requests: finite numbers in range, the DL access schemes (no dependencies)."""
 
 from __future__ import annotations
 

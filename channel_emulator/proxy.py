@@ -73,6 +73,7 @@ import zmq
 
 from channel_emulator import DEFAULT_SPIN_S
 from channel_emulator.checks import DL_ACCESS, finite_number
+from testbed.core.vocabulary import DIRECTIONS
 from testbed.runtime.security import (
     CHANNEL_CLIENT,
     EDGE_CLIENT,
@@ -88,6 +89,7 @@ from testbed.runtime.security import (
     sender_name,
     stop_authenticators,
 )
+from testbed.runtime.sockets import harden_router, max_message_bytes
 from testbed.wire.protocol import (
     TX_START,
     ProtocolError,
@@ -208,9 +210,9 @@ class ChannelProxy:
         self.limiter = RateLimiter(max_msgs_per_s)  # per identity; the same limit as the edge's
         self.max_msgs_per_s = self.limiter.rate
         self.frontend = self.ctx.socket(zmq.ROUTER)
-        self.frontend.setsockopt(zmq.LINGER, 0)
-        self.frontend.setsockopt(zmq.SNDHWM, 0)
-        self.frontend.setsockopt(zmq.RCVHWM, 0)
+        # The edge's hardening, with the edge's own message limit (what passes here the edge would accept) and
+        # no high-water marks: a message held for its air time must never be dropped for a full queue.
+        harden_router(self.frontend, max_msg_bytes=max_message_bytes(), hwm=0)
         self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone device raises, it is not lost silently
         make_server(self.frontend, server_keys)
         self.frontend.bind(frontend_bind)
@@ -292,7 +294,7 @@ class ChannelProxy:
         self.last_seen.pop(ident, None)
         self.routes.pop(ident, None)
         self.limiter.forget(ident)
-        for direction in ("ul", "dl"):
+        for direction in DIRECTIONS:
             for table in (self.held_on_link, self.link_release, self.markers, self.free_at):
                 table.pop((direction, ident), None)
         name = ident.decode("utf-8", "replace")
@@ -348,7 +350,7 @@ class ChannelProxy:
             except ProtocolError as exc:
                 self.counters["malformed"] += 1
                 log.debug("forwarding malformed message from %r unchanged: %s", ident, exc)
-        if header is None or header.get("air") not in ("ul", "dl"):
+        if header is None or header.get("air") not in DIRECTIONS:
             self.counters["passed"] += 1
             if header is not None and "channel" in header:
                 # Only the emulator writes air-time annotations: a sender's own would pass for measured ones.
@@ -357,7 +359,7 @@ class ChannelProxy:
                 body[h] = annotate_header(body[h].bytes, channel=None)
             if self.held_on_link[(direction, ident)] and header is not None and header.get("type") == "heartbeat":
                 # A heartbeat carries no state, and held behind a long verdict it would make the peer look
-                # dead (a verdict held past the liveness window ended every session): it overtakes.
+                # dead (a verdict held past the liveness window would end the session): it overtakes.
                 self.counters["heartbeat_overtook"] += 1
                 self._send(direction, ident, body)
             elif self.held_on_link[(direction, ident)]:

@@ -47,7 +47,9 @@ from device_node.hardware import HardwareProfile, load_hardware
 from device_node.link_probe import BackgroundProbe, LinkMeasurement, NoneProbe, make_probe
 from device_node.options import EPILOG, ExitCode, add_arguments
 from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
+from testbed.core.vocabulary import DL, UPLINK
 from testbed.runtime import timeline
+from testbed.runtime.heartbeat import Heartbeat, PeerTimes
 from testbed.runtime.security import ClientKeys, SecurityError, make_client
 from testbed.runtime.waiting import Rehearsal, wait_readable
 from testbed.wire import messages as M
@@ -93,7 +95,7 @@ class DeviceNode:
         # then only the idle timeout applies).
         self.heartbeat_s: float | None = None
         self.liveness = M.DEFAULT_LIVENESS
-        self.last_sent = self.last_heard = time.monotonic()
+        self.peer = PeerTimes()  # when this device last sent to the edge and last heard from it
         self.dropped_messages = 0  # received messages refused (malformed, out of place)
         self._probe_pad = None     # a rate probe's echo padding (uint8 zeros), grown to the largest asked for
         # A shared host's wait for the message in hand: received -> its handling began (`_serve`).
@@ -117,7 +119,7 @@ class DeviceNode:
 
     def _send(self, frames: list, *, copy: bool = True) -> None:
         self.sock.send_multipart(frames, copy=copy)
-        self.last_sent = time.monotonic()
+        self.peer.sent()
 
     def _send_air(self, frames: list, air: str) -> None:
         # A tiny marker first: the channel emulator starts the air time when the marker arrives, so the
@@ -131,7 +133,7 @@ class DeviceNode:
         frames = M.heartbeat() if link is None else P.encode({"type": P.HEARTBEAT, "link": link})
         try:  # never block on a dead peer's full queue: a lost heartbeat is what liveness is for
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            self.last_sent = time.monotonic()
+            self.peer.sent()
         except zmq.Again:
             pass
 
@@ -161,7 +163,7 @@ class DeviceNode:
             try:
                 return self._serve()
             except _EdgeLost:
-                silent = time.monotonic() - self.last_heard
+                silent = time.monotonic() - self.peer.last_heard
                 if not self.reconnect:
                     log.error("%s: the edge at %s was silent for %.1f s (%d heartbeats of %.2f s); leaving "
                               "(exit %d; --reconnect waits for it instead)", self.name, self.connect, silent,
@@ -230,14 +232,14 @@ class DeviceNode:
         """Serve the session until bye or a fatal error; raises _EdgeLost when the edge goes silent."""
         while True:
             now = time.monotonic()
-            if self.heartbeat_s is None:
-                wait = self.idle_timeout_s - (now - self.last_heard)
+            beat = None if self.heartbeat_s is None else Heartbeat(self.heartbeat_s, self.liveness)
+            if beat is None:
+                wait = self.idle_timeout_s - (now - self.peer.last_heard)
             else:
-                if now - self.last_sent >= self.heartbeat_s:
+                if beat.due(self.peer, now):
                     self._heartbeat()
                     now = time.monotonic()
-                wait = min(self.heartbeat_s - (now - self.last_sent),
-                           self.liveness * self.heartbeat_s - (now - self.last_heard))
+                wait = beat.wait_s(self.peer, now)
             # Poll even when the window is over: after a pause (SIGSTOP, a slow draft) messages may be
             # waiting, and they prove the edge alive.
             if wait_readable(self.sock, wait, busy=self.busy_poll, rehearse=self.rehearsal.run):
@@ -250,12 +252,12 @@ class DeviceNode:
                 if code is not None:
                     return code
                 continue
-            silent = time.monotonic() - self.last_heard
-            if self.heartbeat_s is None:
+            silent = time.monotonic() - self.peer.last_heard
+            if beat is None:
                 if silent >= self.idle_timeout_s:
                     log.error("%s: no message from the edge for %.0f s; leaving", self.name, silent)
                     return ExitCode.EDGE_SILENT
-            elif silent >= self.liveness * self.heartbeat_s:
+            elif beat.expired(self.peer, time.monotonic()):
                 raise _EdgeLost()
 
     def _handle(self, frames: list) -> ExitCode | None:
@@ -269,7 +271,7 @@ class DeviceNode:
             timeline.stamp(f"device: {kind} in", self._t_recv)
             timeline.stamp(f"device: {kind} decoded")
             if kind != P.ERROR:  # an error reply is no proof of a live session (a restarted edge sends them)
-                self.last_heard = time.monotonic()
+                self.peer.heard()
             if kind == P.SCHEDULE:
                 self._on_schedule(header)
             elif kind == P.VERDICT:
@@ -321,7 +323,7 @@ class DeviceNode:
         self.committed = list(reg.prompt_ids)  # prompt + every output token, in order
         self.drafter.reset(self.committed)
         self.pending = None
-        self.last_heard = time.monotonic()
+        self.peer.heard()
         log.info("%s: session %s, prompt of %d tokens%s", self.name, self.session, len(self.committed),
                  "" if self.heartbeat_s is None else
                  f", heartbeat {self.heartbeat_s:g} s, liveness {self.liveness}")
@@ -367,7 +369,7 @@ class DeviceNode:
         if hosted:
             # A shared host runs more busy threads than it has cores: the wall clock also counts the time the
             # system ran the others. The thread's CPU time is this device's own compute (onnxruntime with one
-            # thread runs in the caller's; the two agree within 1% on an idle core).
+            # thread runs in the caller's, so on an idle core the two agree).
             compute_s = min(compute_s, time.thread_time() - cpu0)
         # Emulated slower hardware: sleep the extra (scale - 1) x the measured compute (with the gate open:
         # other devices of the process work meanwhile; the wait to get it back is theirs, not ours).
@@ -384,9 +386,9 @@ class DeviceNode:
                          last_token=self.committed[-1], bits_per_prob=self.bits, on_air_vocab=self.on_air,
                          timings=timings, topk=sched.topk)
         timeline.stamp("device: draft encoded")
-        self._send_air(frames, "ul")
+        self._send_air(frames, UPLINK)
         timeline.stamp("device: draft sent")
-        # While the edge verifies: the next round's drafting generator (seeding one takes 0.1 ms, which would
+        # While the edge verifies: the next round's drafting generator (seeding one is not free, and would
         # otherwise come between the verdict and the next draft).
         self._ahead = (self.session, sched.round + 1,
                        RoundRandomness(self.seed, self.name, sched.round + 1).draft_generator())
@@ -400,7 +402,7 @@ class DeviceNode:
                       on_air_vocab=self.on_air)
         try:
             v = M.parse_verdict(header, arrays, **checks)
-            if v.token is None and (sched.mode != "DL" or v.n_accepted >= sched.draft_len):
+            if v.token is None and (sched.mode != DL or v.n_accepted >= sched.draft_len):
                 raise ProtocolError(f"verdict: a distribution p for n_accepted={v.n_accepted} in mode {sched.mode}")
         except ProtocolError as exc:
             # Our round's verdict is unusable: drop the round here too (the edge sees no report).

@@ -5,11 +5,12 @@ its schedule goes out; its draft comes back; the verifier, whenever it is free, 
 has arrived in ONE batch (continuous batching) and the verdicts go out at once; the device's report closes
 its cycle (one record) and its next schedule follows. A slow device no longer holds back the others.
 
-It runs on the `EdgeServer`'s socket, sessions, verifier, controller and recorder; each cycle is a
-`RoundInFlight` of one device (`EdgeServer.cycles`), so drafts, reports, verdicts, commits and the
-controller's observations go through the same code as synchronous rounds. Lossless and reproducible: cycle
-c of a device uses the seeds of its round c (`RoundRandomness(seed, device, c)`, on the edge and on the
-device), so a device's tokens are those of a synchronous run with the same draft lengths.
+A peer of `edge_node.sync_rounds` on the `EdgeServer`'s public interface (its socket, sessions, verification,
+channel watch and records); each cycle is a `RoundInFlight` of one device (`InFlight.cycles`), so drafts,
+reports, verdicts, commits and the controller's observations go through the same code as synchronous rounds.
+Lossless and reproducible: cycle c of a device uses the seeds of its round c (`RoundRandomness(seed, device,
+c)`, on the edge and on the device), so a device's tokens are those of a synchronous run with the same draft
+lengths.
 
 The shared DL: a verdict is charged at the DL rate the model gives a device when the band and the edge's
 power are split among the DL-mode verdicts in flight (those of the batch, and earlier ones whose report has
@@ -45,7 +46,7 @@ log = logging.getLogger("multispin.edge.async")
 
 @dataclass
 class Cycle:
-    """What the loop keeps of one device cycle beside its `RoundInFlight` (`server.cycles[name]`)."""
+    """What the loop keeps of one device cycle beside its `RoundInFlight` (`InFlight.cycles[name]`)."""
 
     name: str
     index: int                  # the device's own cycle counter: its round index for every seed
@@ -57,22 +58,13 @@ class Cycle:
     dl_shared: list[str] = field(default_factory=list)  # the DL-mode verdicts in flight the DL was split among
 
 
-def run_asynchronous(server, cycles: int, *, on_round=None, keep_records: bool = True,
-                     start_round: int = 0) -> list[dict] | None:
-    """Run `cycles` cycles per device (fewer for a device that finishes or leaves); records as `EdgeServer.run`."""
-    if start_round:
-        raise TestbedError("asynchronous rounds cannot be resumed: start a new run")
-    if server.channel_mode == "virtual":
-        raise TestbedError("scenario.rounds: asynchronous needs channel.mode real or passthrough; the virtual "
-                           "clock reconstructs synchronous rounds only")
-    return AsyncRounds(server, cycles, on_round=on_round, keep_records=keep_records).run()
-
-
 class AsyncRounds:
-    def __init__(self, server, cycles: int, *, on_round=None, keep_records: bool = True):
-        self.srv, self.cycles_per_device = server, int(cycles)
-        self.on_round = on_round
-        self.records: list[dict] | None = [] if keep_records else None
+    def __init__(self, server):
+        self.srv = server
+        self.cycles_per_device = 0
+        self.on_round = None
+        self.records: list[dict] | None = None
+        self.flying: dict[str, RoundInFlight] = {}  # name -> its cycle's round in flight (`InFlight.cycles`)
         self.open: dict[str, Cycle] = {}        # name -> its cycle in flight
         self.next_index: dict[str, int] = {}    # name -> its next cycle's index (= cycles done or missed)
         self.ended_at: dict[str, float] = {}    # name -> edge clock of its last cycle's end
@@ -82,9 +74,19 @@ class AsyncRounds:
         self.count = 0                          # cycles recorded: the records' `round`
 
     # -- the loop ------------------------------------------------------------------------------
-    def run(self) -> list[dict] | None:
+    def run(self, rounds: int, *, on_round=None, keep_records: bool = True, start_round: int = 0,
+            join_wait_s: float = 0.0) -> list[dict] | None:
+        """Run `rounds` cycles per device (fewer for a device that finishes or leaves); records as
+        `EdgeServer.run`. `join_wait_s` is for synchronous rounds: devices join a cycle loop whenever they come."""
+        if start_round:
+            raise TestbedError("asynchronous rounds cannot be resumed: start a new run")
         srv = self.srv
-        srv.cycles, srv._in_round = {}, True
+        if srv.config.channel_mode == "virtual":
+            raise TestbedError("scenario.rounds: asynchronous needs channel.mode real or passthrough; the virtual "
+                               "clock reconstructs synchronous rounds only")
+        self.cycles_per_device, self.on_round = int(rounds), on_round
+        self.records = [] if keep_records else None
+        srv.inflight.cycles, srv.inflight.in_round = self.flying, True
         try:
             while True:
                 now = time.monotonic()
@@ -93,16 +95,15 @@ class AsyncRounds:
                 if not self.open and not self._waiting():
                     break
                 srv.poll(self._until(), stop=self._has_work)
-                srv._free_since = time.monotonic()  # what the drain reads now was queued while the edge was busy
+                srv.inbox.mark_free()  # what the drain reads now was queued while the edge was busy
                 # All queued now (a flood: a batch of it): the next batch holds every draft that has arrived.
                 srv.drain(mark_free=False, limit=DRAIN_BATCH)
                 self._expire(time.monotonic())
                 self._verify_ready()
                 self._close_reported()
         finally:
-            srv._in_round = False
+            srv.inflight.in_round = False
         return self.records
-
 
     def _ready(self, now: float) -> list[str]:
         """Devices that can start a cycle now: a live session, no cycle in flight, cycles left, no correction
@@ -122,14 +123,14 @@ class AsyncRounds:
         srv = self.srv
         times = [time.monotonic() + srv.heartbeat_s, *self.stalled.values(), *self.retry_at.values()]
         for c in self.open.values():
-            cur = srv.cycles[c.name]
+            cur = self.flying[c.name]
             times.append((c.outcome.t_verdict if c.outcome else cur.t0) + srv.deadline_s)
         return min(times)
 
     def _has_work(self) -> bool:
         srv = self.srv
         for name, c in self.open.items():
-            cur = srv.cycles[name]
+            cur = self.flying[name]
             if c.outcome is None:
                 if name in cur.drafts or name in cur.given_up:
                     return True
@@ -154,7 +155,7 @@ class AsyncRounds:
         self.retry_at.pop(name, None)
         if srv.prober is not None:  # a device that just registered: its link is measured before its first cycle
             srv.prober.run_registration(name)
-        rp, plan_s = srv._fresh_plan(index, self._plan_names(name))  # the synchronous rounds' planning
+        rp, plan_s = srv.plan_fresh(index, self._plan_names(name))  # the synchronous rounds' planning
         if name not in rp.devices:  # a live channel without a fresh reading: try again a heartbeat later
             log.warning("%s: cycle %d not planned (%s)", name, index, rp.sat_out.get(name, "not in the plan"))
             self.retry_at[name] = time.monotonic() + srv.heartbeat_s
@@ -165,16 +166,13 @@ class AsyncRounds:
             self._configure(index)
         cur = RoundInFlight(index, rp, plan_s, {name: slot}, {name: s.sid}, t0=time.monotonic())
         cur.t_drafts_from = cur.t0
-        srv.cycles[name] = cur
+        self.flying[name] = cur
         self.open[name] = Cycle(name, index, t_start)
-        srv._send(name, M.schedule(index, slot.mode, slot.draft_len, slot.ul_power_w or 0.0, slot.dl_power_w or 0.0,
+        srv.send(name, M.schedule(index, slot.mode, slot.draft_len, slot.ul_power_w or 0.0, slot.dl_power_w or 0.0,
                                    srv.deadline_s, topk=rp.topk))
 
     def _configure(self, round_index: int | None) -> None:
-        srv = self.srv
-        srv._channel_call("configure", srv.channel.configure, round=round_index, links=dict(self.links),
-                          dl_access=srv.scenario.dl_access, base_latency_s=srv.base_latency_s)
-        srv._last_probe = time.monotonic()
+        self.srv.watch.configure(round_index, dict(self.links), self.srv.scenario.dl_access)
 
     # -- drafts in, one batch, verdicts out ----------------------------------------------------
     def _verify_ready(self) -> None:
@@ -182,20 +180,20 @@ class AsyncRounds:
         srv = self.srv
         batch = []
         for name, c in self.open.items():
-            cur, s = srv.cycles[name], srv.sessions.get(name)
+            cur, s = self.flying[name], srv.sessions.get(name)
             if c.outcome is None and not cur.closed and name in cur.drafts and s is not None \
                     and s.sid == cur.sids[name]:
                 batch.append(name)
         if not batch:
             return
         for name in batch:
-            srv.cycles[name].closed = True  # past its drafting phase: a second draft is discarded
+            self.flying[name].closed = True  # past its drafting phase: a second draft is discarded
             srv.sessions[name].misses = 0
         shared: list[str] = []  # the DL is split among the verdicts in flight before this batch's go out
-        outcomes, verify_s, tv, _ = srv.verify_batch({n: srv.cycles[n] for n in batch},
+        outcomes, verify_s, tv, _ = srv.verification.verify_batch({n: self.flying[n] for n in batch},
                                                      before_verdicts=lambda: shared.extend(self._share_dl(batch)))
         for name, o in outcomes.items():
-            cur, c = srv.cycles[name], self.open[name]
+            cur, c = self.flying[name], self.open[name]
             arrived = cur.drafts[name]
             c.outcome, c.verify_s, c.batch = o, verify_s, list(batch)
             c.wait_s, c.dl_shared = max(0.0, tv - arrived.t_arrival), shared
@@ -206,9 +204,9 @@ class AsyncRounds:
         """Configure the emulator's DL rates for the DL-mode verdicts in flight (this batch's and those whose
         report has not come) as the model splits the DL among them; returns their names."""
         srv = self.srv
-        flying = {n: srv.cycles[n] for n, c in self.open.items()
-                  if (n in batch or (c.outcome is not None and n not in srv.cycles[n].reports))
-                  and srv.cycles[n].schedule[n].mode == "DL"}
+        flying = {n: self.flying[n] for n, c in self.open.items()
+                  if (n in batch or (c.outcome is not None and n not in self.flying[n].reports))
+                  and self.flying[n].schedule[n].mode == "DL"}
         if srv.channel is None or not any(n in batch for n in flying):
             return sorted(flying)
         rates = shared_dl_rates({n: (cur.plan, cur.schedule[n]) for n, cur in flying.items()})
@@ -222,7 +220,7 @@ class AsyncRounds:
     def _expire(self, now: float) -> None:
         srv = self.srv
         for name, c in list(self.open.items()):
-            cur, s = srv.cycles[name], srv.sessions.get(name)
+            cur, s = self.flying[name], srv.sessions.get(name)
             same = s is not None and s.sid == cur.sids[name]
             if c.outcome is not None:
                 if now >= c.outcome.t_verdict + srv.deadline_s and name not in cur.reports:
@@ -233,7 +231,7 @@ class AsyncRounds:
             if not same or name in cur.given_up or now >= cur.t0 + srv.deadline_s:
                 cur.closed = True
                 if same:
-                    srv._missed(c.index, name, cur.given_up.get(name, f"no draft within {srv.deadline_s} s"))
+                    srv.roster.missed(c.index, name, cur.given_up.get(name, f"no draft within {srv.deadline_s} s"))
                 self._close(name, late=False)
         for name, until in list(self.stalled.items()):
             s = srv.sessions.get(name)
@@ -241,12 +239,11 @@ class AsyncRounds:
                 del self.stalled[name]
             elif now >= until:
                 del self.stalled[name]
-                srv._drop_session(name, f"no report for cycle {s.awaiting_report}")
+                srv.roster.drop(name, f"no report for cycle {s.awaiting_report}")
 
     def _close_reported(self) -> None:
-        srv = self.srv
         for name, c in list(self.open.items()):
-            cur = srv.cycles[name]
+            cur = self.flying[name]
             if c.outcome is not None and (name in cur.reports or name in cur.reports_given_up):
                 self._close(name, late=name not in cur.reports)
 
@@ -255,14 +252,14 @@ class AsyncRounds:
         """Record the cycle (written at once; fsynced as it is written), feed the
         controller, and make way for the next one."""
         srv = self.srv
-        c, cur = self.open.pop(name), srv.cycles[name]
+        c, cur = self.open.pop(name), self.flying[name]
         o = c.outcome
         t_end = time.monotonic()
         if o is not None:
             if late:
                 o.report_late = True  # unconfirmed: the record credits none of its tokens
             else:
-                t_end = srv._take_report(cur, name, o)
+                t_end = srv.verification.take_report(cur, name, o)
         rec = self._record(c, cur, t_end)
         srv.keep_record(rec, fit_round=(rec["predicted"]["round_s"], cur.plan.scenario.round_overhead_s)
                         if o is not None and not late else None)
@@ -274,7 +271,7 @@ class AsyncRounds:
         if s is not None and s.sid == cur.sids[name]:
             if s.awaiting_report is not None:  # its DL correction is still to come: it cannot draft before
                 self.stalled[name] = t_end + srv.deadline_s
-            srv.finish_if_done(name)
+            srv.roster.finish_if_done(name)
         if self.on_round is not None:
             self.on_round(rec)
 
@@ -285,9 +282,9 @@ class AsyncRounds:
         rp: RoundPlan = cur.plan
         one = dataclasses.replace(rp, devices=[name], per_device={name: rp.per_device[name]}, sat_out={})
         outcomes = {name: c.outcome} if c.outcome is not None else {}
-        rec = round_record(one, policy=srv.policy, outcomes=outcomes, verify_s=c.verify_s,
+        rec = round_record(one, policy=srv.config.policy, outcomes=outcomes, verify_s=c.verify_s,
                            round_s=t_end - c.t_start, t_start_s=c.t_start - srv.t_origin,
-                           extra={"channel_mode": srv.channel_mode, "plan_s": cur.plan_s,
+                           extra={"channel_mode": srv.config.channel_mode, "plan_s": cur.plan_s,
                                   # the sweeps since the previous record, as synchronous rounds list them
                                   **({"link_probes": srv.prober.take_log()} if srv.prober is not None else {})})
         d = rp.per_device[name]

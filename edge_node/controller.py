@@ -403,7 +403,7 @@ class Arrival:
 
     at_s: float          # when the edge handled it: late by as long as the edge was busy with other work
     # at_s is only an upper bound: it was already queued when the edge became free, or its device shares a
-    # busy host (`EdgeServer._arrival`)
+    # busy host (`virtual_clock.VirtualClock.arrival`)
     waited: bool
     earliest_s: float    # the estimate to use then (the device's drafting time + the measured transport)
     air_s: float         # the air time (queueing and base latency included) the emulator annotated
@@ -545,11 +545,8 @@ def _finite(obj):
     return obj
 
 
-def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: float,
-                  virtual_up_phase_s: float | None = None) -> dict:
-    """One device's part of the round record: its schedule, the prediction and (unless missed) the measurement.
-    Phase times carry the vocabulary's names (`PHASE_FIELDS`) and, beside them, the old ones for one release
-    (`LEGACY_DEVICE_FIELDS`)."""
+def _planned_entry(rp: RoundPlan, name: str) -> dict:
+    """A device's schedule and prediction in the round record, with the rates and sources its plan used."""
     d = rp.per_device[name]
     predicted = {
         "draft_s": d.draft_s, "ul_air_s": d.tx_s, "uplink_phase_s": d.uplink_s, "dl_air_s": d.downlink_s,
@@ -569,6 +566,15 @@ def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: fl
         entry["link_rate_source"] = rp.link_sources[name]  # which estimate of the real link each direction used
     if name in rp.live_used:
         entry["live_used"] = rp.live_used[name]
+    return entry
+
+
+def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: float,
+                  virtual_up_phase_s: float | None = None) -> dict:
+    """One device's part of the round record: its schedule, the prediction and (unless missed) the measurement.
+    Phase times carry the vocabulary's names (`PHASE_FIELDS`) and, beside them, the old ones for one release
+    (`LEGACY_DEVICE_FIELDS`)."""
+    d, entry = rp.per_device[name], _planned_entry(rp, name)
     if o is None:
         entry.update({"missed": True, "measured": None})
         add_device_energy(entry, rp.energy.get(name))

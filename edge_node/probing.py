@@ -133,7 +133,7 @@ class SweepSizes:
 
 
 class Prober:
-    """Runs the probe sweeps of an `EdgeServer` (`server`: its sessions, `_send`, `poll`, `links`, and
+    """Runs the probe sweeps of an `EdgeServer` (`server`: its sessions, `send`, `poll`, `links`, and
     `publish_link_rates`); `settings`: `testbed.run.profile.RateProbeSettings`."""
 
     def __init__(self, server, settings):
@@ -346,7 +346,7 @@ class Prober:
         self._pending = p
         wait = max(MIN_ECHO_WAIT_S, self.settings.budget_s)
         p.t_send = time.monotonic()
-        srv._send(sw.name, frames)
+        srv.send(sw.name, frames)
         srv.poll(p.t_send + wait, stop=lambda: p.rtt is not None or p.error is not None or not self._session_ok(sw))
         self._pending = None
         log.debug("%s: %s probe %d of %d bytes: %s", sw.name, sw.direction, p.id, size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from edge_node.controller import RoundPlan
 from testbed.core.optimizer import DevicePlan
@@ -12,6 +13,7 @@ from testbed.wire import messages as M
 # Messages handled per `drain` within `poll` before the housekeeping and the deadline are looked at again: a peer
 # that sends faster than the edge reads must not hold the edge in one drain (no heartbeats, no deadline).
 DRAIN_BATCH = 1000
+
 
 @dataclass
 class ArrivedDraft:
@@ -49,7 +51,7 @@ class RoundInFlight:
     t_reports_from: float | None = None
     reports_waited: set[str] = field(default_factory=set)   # reports queued while the edge was busy
     draws: dict[str, RoundRandomness] = field(default_factory=dict)  # name -> its draws, made while it drafts
-    ahead: bool = False  # scheduled with the previous round's verdicts (`EdgeServer._schedule_ahead`)
+    ahead: bool = False  # scheduled with the previous round's verdicts (`SyncRounds.schedule_ahead`)
 
     def awaits_draft(self, name: str) -> bool:
         return (not self.closed and name in self.schedule and name not in self.drafts
@@ -57,3 +59,43 @@ class RoundInFlight:
 
     def drafting_done(self) -> bool:
         return all(n in self.drafts or n in self.given_up for n in self.schedule)
+
+
+class InFlight:
+    """Which round each device's messages belong to: the synchronous round in flight (kept after it closes
+    for its late reports), the one whose reports come in while the next drafts, or with asynchronous rounds
+    each device's own cycle."""
+
+    def __init__(self):
+        self.current: RoundInFlight | None = None
+        self.reporting: RoundInFlight | None = None  # the round whose reports come in while the next drafts
+        self.cycles: dict[str, RoundInFlight] | None = None  # asynchronous rounds; None: synchronous
+        self.in_round = False  # a round (or the cycle loop) is running: no emulator check between rounds
+
+    def of(self, name: str) -> RoundInFlight | None:
+        """The round a device's draft belongs to."""
+        return self.current if self.cycles is None else self.cycles.get(name)
+
+    def reports_of(self, name: str, report_round: int | None) -> RoundInFlight | None:
+        """The round a device's report answers: the one collecting reports while the next drafts, else its round."""
+        rep = self.reporting
+        return rep if rep is not None and rep.index == report_round else self.of(name)
+
+    def holding(self, name: str) -> list[RoundInFlight]:
+        """Every round that may still wait on `name` (once each)."""
+        return list({id(c): c for c in (self.reporting, self.of(name)) if c is not None}.values())
+
+
+def schedule_fields(cur: RoundInFlight, name: str, deadline_s: float) -> dict:
+    """`name`'s schedule of round `cur` (`messages.schedule_fields`)."""
+    slot = cur.schedule[name]
+    return M.schedule_fields(cur.index, slot.mode, slot.draft_len, slot.ul_power_w or 0.0, slot.dl_power_w or 0.0,
+                             deadline_s, topk=cur.plan.topk)
+
+
+class Rounds(Protocol):
+    """A round loop on the `EdgeServer`'s public interface: `SyncRounds` or `AsyncRounds` (`scenario.rounds`)."""
+
+    def run(self, rounds: int, *, on_round=None, keep_records: bool = True, start_round: int = 0,
+            join_wait_s: float = 0.0) -> list[dict] | None:
+        ...

@@ -1,5 +1,6 @@
-"""Multi-SPIN testbed: the pure core (`testbed.core`), the wire (`testbed.wire`) and the runtime face
-(profiles, controller, launcher, records, reports, the `multispin` command line)."""
+"""Multi-SPIN testbed, in layers: the pure model (`core`), the protocol (`wire`), the channel model (`channel`),
+what node processes share (`runtime`), orchestration (`run`), reading runs (`analysis`) and the `multispin`
+command (`cli`). docs/architecture.md has the table of what may import what."""
 
 from pathlib import Path
 

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NODES = ("edge_node", "device_node", "channel_emulator")
 # stdlib modules that would give the core a clock, a socket, a file or a process.
 IMPURE_STDLIB = {"time", "socket", "os", "io", "pathlib", "subprocess", "threading", "multiprocessing",

@@ -49,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.core.vocabulary import MODES, UL
+
 TARGET = 0.9
 
 
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pair", default="default", help="default | micro | a pair directory")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--draft-len", type=int, default=4)
-    ap.add_argument("--mode", choices=["UL", "DL"], default="UL")
+    ap.add_argument("--mode", choices=MODES, default=UL)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the target (both sides)")
     ap.add_argument("--device", default=None, help="torch device of the target (default: cuda if any, else cpu)")

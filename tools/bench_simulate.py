@@ -24,9 +24,9 @@ from pathlib import Path
 from bench_common import interleaved_medians  # tools/ is on sys.path when a script here runs
 
 from testbed import PROFILES_DIR
-from testbed.cli.simulate import process_map
+from testbed.cli.simulate import parse_sweep, process_map
 from testbed.core.optimizer import plan
-from testbed.core.simulate import DEFAULT_POLICIES, parse_sweep, point_scenario, run_sweep
+from testbed.core.simulate import DEFAULT_POLICIES, point_scenario, run_sweep
 from testbed.run.scenario_file import load_scenario
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from testbed.analysis.phases import PHASES, phase_pairs
+from testbed.core.vocabulary import DL, MODES, UL
 from testbed.runtime.energy import summarize_energy
 
 
@@ -34,7 +35,7 @@ def _dl_mode_verdicts(records: list[dict]) -> dict:
     token_bytes, provisioned = [], []
     for rec in records:
         for dev in rec["devices"].values():
-            if dev["mode"] != "DL" or dev.get("missed") or not dev.get("measured"):
+            if dev["mode"] != DL or dev.get("missed") or not dev.get("measured"):
                 continue
             provisioned.append(dev["predicted"].get("dl_bits") or 0.0)
             if dev.get("dl_payload") == "p":
@@ -88,7 +89,7 @@ def summarize(records: list[dict]) -> dict:
             s = devices.setdefault(name, {"rounds": 0, "ul_rounds": 0, "dl_rounds": 0, "missed": 0, "tokens": 0,
                                           "accepted": 0, "rejections": 0, "drafted": 0, "draft_lens": []})
             s["rounds"] += 1
-            s["ul_rounds" if d["mode"] == "UL" else "dl_rounds"] += 1
+            s["ul_rounds" if d["mode"] == UL else "dl_rounds"] += 1
             if d.get("missed"):
                 s["missed"] += 1
                 continue
@@ -125,7 +126,7 @@ def summarize(records: list[dict]) -> dict:
         "rounds_with_ul_and_dl": sum(1 for r in records if 0 < r["num_ul"] < len(r["devices"])),
         "dl_provisioning": sorted({r["dl_provisioning"] for r in records if r.get("dl_provisioning")}),
         "dl_mode_verdicts": _dl_mode_verdicts(records),
-        "ul_unmodeled": {"UL": _ul_unmodeled(records, "UL"), "DL": _ul_unmodeled(records, "DL")},
+        "ul_unmodeled": {m: _ul_unmodeled(records, m) for m in MODES},
         "devices": devices, "phase_errors": errors,
         # Per upload format (dense, or top-k k): the measured acceptance and the UL-mode distribution bytes.
         "payload": _by_payload(records),
@@ -192,7 +193,7 @@ def _by_payload(records: list[dict]) -> dict:
                 s["accepted"] += d.get("n_accepted") or 0
                 s["rejections"] += 1 if (d.get("n_accepted") or 0) < d["draft_len"] else 0
                 q = (d.get("measured") or {}).get("q_bytes")
-                if d["mode"] == "UL" and q is not None:
+                if d["mode"] == UL and q is not None:
                     s["ul_uploads"] += 1
                     s["q_bytes"] += q
                     s["q_bytes_model"] += d["predicted"].get("q_bytes") or 0

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-MODE_COLORS = {"UL": "tab:blue", "DL": "tab:orange", "mixed": "tab:green", "missed": "lightgray"}
+from testbed.core.vocabulary import DL, MODES, UL, within
+
+MODE_COLORS = {UL: "tab:blue", DL: "tab:orange", "mixed": "tab:green", "missed": "lightgray"}
 # Phase base names in words; a bracket in the phase name ("[UL mode]") narrows the samples.
 PHASE_WORDS = {
     "draft_s": "drafting", "ul_air_s": "uplink air time", "uplink_phase_s": "uplink phase (drafting + air)",
@@ -34,7 +36,7 @@ def phase_title(phase: str) -> str:
 
 def _round_mix(rec: dict) -> str:
     modes = {d.get("mode") for d in rec.get("devices", {}).values()}
-    return modes.pop() if len(modes) == 1 and modes <= {"UL", "DL"} else "mixed"
+    return modes.pop() if len(modes) == 1 and modes <= set(MODES) else "mixed"
 
 
 def _pairs_by_mode(records: list[dict]) -> dict[str, dict[str, list[tuple[float, float]]]]:
@@ -43,13 +45,13 @@ def _pairs_by_mode(records: list[dict]) -> dict[str, dict[str, list[tuple[float,
     from testbed.analysis.phases import PHASES, phase_pairs
 
     out: dict[str, dict[str, list]] = {k: {} for k in PHASES}
-    for mode in ("UL", "DL"):
+    for mode in MODES:
         narrowed = [{**r, "devices": {n: d for n, d in r.get("devices", {}).items() if d.get("mode") == mode}}
                     for r in records]
         for phase, pairs in phase_pairs(narrowed).items():
             if PHASES[phase][0] == "device" and pairs:
                 out[phase][mode] = pairs
-    for mix in ("UL", "DL", "mixed"):
+    for mix in (*MODES, "mixed"):
         group = [r for r in records if _round_mix(r) == mix]
         if not group:
             continue
@@ -233,7 +235,7 @@ def plot_energy(records: list[dict], path: Path, title: str | None = None) -> Pa
         budget = summary["devices"][n]["budget_j"]
         if budget is not None:
             bx.axhline(budget, color=color, ls="--", lw=1, label=f"{n} budget")
-            over = [(rr, v) for rr, v in pts if v > budget * (1 + 1e-9)]
+            over = [(rr, v) for rr, v in pts if not within(v, budget)]
             if over:
                 bx.scatter(*zip(*over), marker="x", s=40, color="red", zorder=4)
     _integer_rounds(bx)

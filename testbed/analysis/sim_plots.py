@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.core.simulate import INT_KEYS
+
 _LOG_KEYS = {"dl_bandwidth", "ul_bandwidth", "dl_power", "vocab_size"}
-_INT_KEYS = {"devices", "bits_per_prob", "vocab_size", "max_draft_len"}
 # sweep key -> (axis label with unit, factor from the CSV's unit to the axis's)
 AXES = {
     "devices": ("number of devices $N$", 1.0),
@@ -58,7 +59,7 @@ def _axes(key, ylabel, title):
     ax.set_title(title, fontsize=10)
     if key in _LOG_KEYS:
         ax.set_xscale("log")
-    elif key in _INT_KEYS:
+    elif key in INT_KEYS:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
     return fig, ax

@@ -47,6 +47,7 @@ from testbed import PROFILES_DIR
 from testbed.channel.source import ChannelSource, LinkState
 from testbed.channel.traces import Series, TraceError, detect_format, load_entry, load_snr_csv
 from testbed.core import radio
+from testbed.core.vocabulary import DIRECTIONS
 
 # The built-in sources (name -> what it is); any other name is a plug-in's (`from_config`'s `resolve`).
 SOURCES = {
@@ -259,7 +260,7 @@ class TraceSource:
 
     @property
     def fixed_rates(self) -> dict[str, dict[str, bool]]:
-        return {n: {d: d in self.series[n] for d in ("ul", "dl")} for n in self.series}
+        return {n: {d: d in self.series[n] for d in DIRECTIONS} for n in self.series}
 
 
 class ProcNetWirelessReader:

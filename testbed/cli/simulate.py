@@ -20,6 +20,31 @@ DEFAULT_PROFILE = PROFILES_DIR / "scenarios" / "default.yaml"
 OUTPUTS = ("results.csv", "goodput.png", "ul_devices.png", "monte_carlo.png", "meta.json")
 
 
+def parse_sweep(text: str) -> tuple[str, list]:
+    """'KEY=V1,V2,...' -> (key, values), with clear errors (`SimulationError`)."""
+    from testbed.core.simulate import INT_KEYS, SWEEP_KEYS, SimulationError
+    from testbed.run.config_override import split_key_value, split_values
+
+    key, rest = split_key_value(text, "--sweep", f"KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}",
+                                SimulationError)
+    if key not in SWEEP_KEYS:
+        raise SimulationError(f"sweep key {key!r} is not allowed; allowed keys: {', '.join(SWEEP_KEYS)}")
+    values = []
+    for item in split_values(rest):
+        try:
+            v = float(item)
+        except ValueError:
+            raise SimulationError(f"sweep value {item!r} for {key} is not a number") from None
+        if key in INT_KEYS:
+            if not v.is_integer():
+                raise SimulationError(f"sweep value {item!r} for {key} must be an integer")
+            v = int(v)
+        values.append(v)
+    if not values:
+        raise SimulationError(f"--sweep {text!r}: no values given")
+    return key, values
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "simulate", help="sweep a parameter over random drops and policies (analytic, optional Monte Carlo)",
@@ -143,11 +168,15 @@ def ray_map(address: str, jobs: int, bar):
     `jobs` CPUs (address "") or on the cluster at `address`. An instance started here is shut down here."""
     def map_tasks(task, tasks: list) -> list:
         import logging
+        import signal
 
         from testbed.cli import CliError
 
         ray = import_ray()
         own = not ray.is_initialized()
+        # ray.init installs its own SIGTERM handler in this process and leaves it after shutdown: a library
+        # call must give the caller's handlers back.
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         if own:
             try:
                 if address:
@@ -183,6 +212,8 @@ def ray_map(address: str, jobs: int, bar):
         finally:
             if own:
                 ray.shutdown()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     return map_tasks
 
 
@@ -213,7 +244,6 @@ def run(args) -> int:
     from testbed.core.simulate import (
         DEFAULT_POLICIES,
         SimulationError,
-        parse_sweep,
         point_scenario,
         run_sweep,
         summary_table,

@@ -20,9 +20,7 @@ import numpy as np
 from testbed.core import power as dlpower
 from testbed.core import radio
 from testbed.core.scenario import Scenario
-
-UL, DL = "UL", "DL"
-
+from testbed.core.vocabulary import DL, MODES, REL_TOL, UL
 
 # ---------------------------------------------------------------- sizes (spec sections 1 and 3)
 
@@ -329,7 +327,7 @@ def parse_modes(modes, n: int) -> np.ndarray:
     for i, m in enumerate(arr):
         if isinstance(m, (bool, np.bool_)):
             out.append(bool(m))
-        elif isinstance(m, str) and m.upper() in (UL, DL):
+        elif isinstance(m, str) and m.upper() in MODES:
             out.append(m.upper() == UL)
         else:
             raise ValueError(f"modes[{i}]: {m!r} is not allowed: must be 'UL' or 'DL'")
@@ -357,7 +355,7 @@ def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None) ->
     pmax, bws, budgets = sc.device_array("max_power_w"), sc.ul_bandwidths_hz(), sc.energy_budgets_j()
     if ul_powers is not None:
         ul_powers = np.asarray(ul_powers, float)
-        bad = np.flatnonzero((ul_powers < 0) | (ul_powers > pmax * (1 + 1e-9)))
+        bad = np.flatnonzero((ul_powers < 0) | (ul_powers > pmax * (1 + REL_TOL)))
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"ul_powers[{i}]: {ul_powers[i]} is not allowed: must be in [0, {pmax[i]}] W")
@@ -368,7 +366,7 @@ def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None) ->
     given = None
     if dl_powers is not None:
         given = np.asarray(dl_powers, float)[dl_idx]
-        if given.sum() > sc.downlink_power_w * (1 + 1e-9) and sc.dl_access != "tdma":
+        if given.sum() > sc.downlink_power_w * (1 + REL_TOL) and sc.dl_access != "tdma":
             raise ValueError(f"dl_powers: the DL devices' powers sum to {given.sum():.4g} W, "
                              f"more than downlink_power_w = {sc.downlink_power_w} W")
     p_d, r_d, times_d, tau_dl = dl_schedule(sc, s_dl, g[dl_idx], given, fixed=sc.fixed_rates_bps("dl")[dl_idx])

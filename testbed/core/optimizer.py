@@ -8,13 +8,13 @@ exhaustive search. `plan()` is the entry point; scoring is batched over many can
 (numpy), and the chosen schedule is re-evaluated with `model.evaluate` so a plan's numbers are exactly
 the model's.
 
-Cost (issue 12). A greedy step scores N single increments and up to N fill rows. The increments are
+Cost. A greedy step scores N single increments and up to N fill rows. The increments are
 scored from one sorted base row (`Scorer.prefix_neighbors`, `Scorer.fixed_neighbors`): no sort per
 candidate, O(1) corrections of the base row's prefix and suffix statistics, and the round time only at
 the few K that lower bounds leave open. A fill row is scored only if an upper bound of its goodput
 (`_score_bounded`) can beat the step's best. The DL solve runs only where it can decide a best K or a best
 row (bounds from channel inversion, best first). None of this changes a decision: the same steps as
-scoring every row in full (tests/test_optimizer.py checks both ways). A plan with no finite round time
+scoring every row in full (the optimizer's tests check both ways). A plan with no finite round time
 raises InfeasiblePlanError.
 """
 
@@ -39,6 +39,7 @@ from testbed.core.policy import (  # OptimizerError lives there: PolicyError is 
 )
 from testbed.core.power import LN2, solve_x
 from testbed.core.scenario import Scenario
+from testbed.core.vocabulary import DL, MODES, REL_TOL, UL, within
 
 POLICIES = {
     "proposed": "greedy draft lengths with fill (multi-start) + prefix mode search + optimal DL power",
@@ -190,7 +191,7 @@ class Scorer:
                     tau = np.where(nd > 0, (wts * S).sum(-1) / wsum / (w * np.log1p(R / wsum) / LN2), 0.0)
                 T_lo = (up_k.max(-1) + t_ver + np.where(ul, f["post_u"][idx], tau[:, None]).max(-1)
                         + self.t_over)
-                hopeless = E.sum(-1) / T_lo * (1 + 1e-9) < floor
+                hopeless = E.sum(-1) / T_lo * (1 + REL_TOL) < floor
                 keep &= ~hopeless
             else:
                 tau = np.zeros(L.shape[0])
@@ -254,7 +255,7 @@ class Scorer:
             tau = np.zeros((C, n + 1))
             tau[:, :n] = np.cumsum(br["t_tdma"][r][:, ::-1], axis=1)[:, ::-1]
         elif self.sync:
-            t_cap = None if floor is None else E_sum / floor * (1 + 1e-9)
+            t_cap = None if floor is None else E_sum / floor * (1 + REL_TOL)
             tau, hopeless = self._tau_bracketed(r, base_T, pre_post, t_cap)
         else:
             tau = self._tau_all(r)
@@ -376,11 +377,6 @@ class Scorer:
     def _top2_suffix(cls, a):
         m1, m2 = cls._top2(a[::-1])
         return m1[::-1], m2[::-1]
-
-    @staticmethod
-    def _shift(v):
-        """v[K + 1] as a vector over K (the last entry repeats; it is never used)."""
-        return np.concatenate([v[1:], v[-1:]])
 
     def _verify_raised(self, L0, ks):
         """model.verify_time of L0 + e_k for each k, from its sum and maximum (no (C, N) array)."""
@@ -560,7 +556,7 @@ class Scorer:
         gc = np.tile(np.arange(C), guesses.shape[0])
         ub = self._pairs_T(b, cand, gc, guesses.ravel())[1].reshape(guesses.shape).min(axis=0)  # guess-major
         # every K whose lower bound does not exceed it (a margin for rounding)
-        theta = ub * (1 + 1e-9) - (cand["t_ver"] - b["t_ver"])
+        theta = ub * (1 + REL_TOL) - (cand["t_ver"] - b["t_ver"])
         i, j = cand["i"], cand["j"]
         ra, ka = self._select(b, "LBA", theta, lambda r, K: (K <= i[r]) | (K > j[r]))
         rb, kb_ = self._select(b, "LBB", theta, lambda r, K: (K > i[r]) & (K <= j[r]))
@@ -708,7 +704,7 @@ class Scorer:
                         rest = up + t_ver + self.t_over
                         T_lo = rest + np.maximum(post_ul, lo)
                         g_lb = E / (rest + np.maximum(post_ul, hi))
-                        open_ = E / T_lo * (1 + 1e-9) >= g_lb.max()
+                        open_ = within(g_lb.max(), E / T_lo)
                         solve = c[open_[c]]
                     else:
                         solve = c
@@ -806,7 +802,7 @@ def _score_bounded(scorer: Scorer, score, Lf, Lc, T_c, floor: float):
     E = scorer.flat["E"][scorer._index(Lf)].sum(-1)
     dt = model.verify_time(scorer.sc, Lf) - model.verify_time(scorer.sc, Lc)
     with np.errstate(divide="ignore", invalid="ignore"):
-        bound = E / (T_c + dt) * (1 + 1e-9)  # the margin covers rounding
+        bound = E / (T_c + dt) * (1 + REL_TOL)  # the margin covers rounding
     bound = np.where(np.isnan(bound), np.inf, bound)
     G = np.full(Lf.shape[0], -np.inf)
     order = np.argsort(-bound, kind="stable")
@@ -1005,7 +1001,7 @@ def _fixed_bound(s: Scorer, t_ones: float) -> float:
         tokens = E.sum(axis=0)  # the longest L is m: no device beyond E(m)
         extra = model.verify_time_of(s.sc, None, np.arange(1, lmax + 1), n)
     with np.errstate(divide="ignore", invalid="ignore"):
-        bound = tokens / (t_ones + extra - extra[0]) * (1 + 1e-9)  # the margin covers rounding
+        bound = tokens / (t_ones + extra - extra[0]) * (1 + REL_TOL)  # the margin covers rounding
     return float(np.nanmax(bound))
 
 
@@ -1140,11 +1136,11 @@ def _infeasible_message(sc: Scenario, policy: str, ev: model.Evaluation) -> str:
         why = ""
         if np.isfinite(budgets[k]):
             # energy p S / r(p) falls to S N0 ln2 / g as p -> 0: the least energy of an upload of S bits
-            least = {m: float((model.ul_first_bits(sc, m == model.UL, 1)
-                               + model.lazy_post_bits(sc, d.acceptance, 1) * (m == model.UL))
-                              * sc.noise_psd_w_hz * np.log(2.0) / g[k]) for m in (model.UL, model.DL)}
+            least = {m: float((model.ul_first_bits(sc, m == UL, 1)
+                               + model.lazy_post_bits(sc, d.acceptance, 1) * (m == UL))
+                              * sc.noise_psd_w_hz * np.log(2.0) / g[k]) for m in MODES}
             why = (f": energy_budget_j {budgets[k]:.3g} J is below the least energy of one upload at L = 1 "
-                   f"({least[model.UL]:.3g} J in UL mode, {least[model.DL]:.3g} J in DL mode)")
+                   f"({least[UL]:.3g} J in UL mode, {least[DL]:.3g} J in DL mode)")
         lines.append(f"device {d.name} ({ev.modes[k]} mode, L = {int(ev.draft_lens[k])}) cannot complete its "
                      f"round{why}")
     return "\n  ".join(lines)

@@ -64,6 +64,8 @@ def option_scenario(sc: Scenario, k: int | None, acceptance: Mapping[str, float]
     data.update(payload_format="dense" if k is None else "topk", topk_choices=(), topk_acceptance_ratio={})
     if k is not None:
         data["topk_k"] = int(k)
+    else:
+        data.pop("topk_k", None)  # a dense scenario reads no k (and refuses one)
     option = Scenario.from_dict(data, source=f"payload option {'dense' if k is None else f'topk {k}'}")
     return option.with_device_updates(acceptance=alpha)
 

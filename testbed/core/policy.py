@@ -21,8 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from testbed.core.scenario import Scenario
-
-UL, DL = "UL", "DL"
+from testbed.core.vocabulary import MODES, UL, within
 
 
 class OptimizerError(ValueError):
@@ -121,7 +120,7 @@ def check_decision(sc: Scenario, decision: Any, who: str) -> tuple[np.ndarray, n
     for i, m in enumerate(per_device("modes", decision.modes)):
         if isinstance(m, (bool, np.bool_)):
             ul.append(bool(m))
-        elif isinstance(m, str) and m.upper() in (UL, DL):
+        elif isinstance(m, str) and m.upper() in MODES:
             ul.append(m.upper() == UL)
         else:
             raise PolicyError(f"policy {who}: modes[{i}] ({sc.devices[i].name}) = {m!r} is not allowed: "
@@ -138,13 +137,13 @@ def check_decision(sc: Scenario, decision: Any, who: str) -> tuple[np.ndarray, n
     if decision.ul_powers_w is not None:
         ul_p = _powers(who, "ul_powers_w", per_device("ul_powers_w", decision.ul_powers_w), sc)
         pmax = sc.device_array("max_power_w")
-        for i in np.flatnonzero(ul_p > pmax * (1 + 1e-9)):
+        for i in np.flatnonzero(~within(ul_p, pmax)):
             raise PolicyError(f"policy {who}: ul_powers_w[{i}] ({sc.devices[i].name}) = {ul_p[i]} W is not allowed: "
                               f"must be in [0, {pmax[i]}] W (the device's max_power_w)")
     if decision.dl_powers_w is not None:
         dl_p = _powers(who, "dl_powers_w", per_device("dl_powers_w", decision.dl_powers_w), sc)
         total = float(dl_p[~ul_mask].sum())
-        if sc.dl_access != "tdma" and total > sc.downlink_power_w * (1 + 1e-9):
+        if sc.dl_access != "tdma" and not within(total, sc.downlink_power_w):
             raise PolicyError(f"policy {who}: dl_powers_w of the DL-mode devices sum to {total:.6g} W, more than "
                               f"downlink_power_w = {sc.downlink_power_w} W")
         if sc.dl_access != "tdma" and np.any(dl_p[~ul_mask] <= 0):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from testbed.core.vocabulary import DL, MODES, UL
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -156,10 +158,10 @@ HALF_MIN_NORMAL = 2.0 ** -14
 
 
 def to_half(x: np.ndarray) -> np.ndarray:
-    """`x.astype(np.float16)`, bit for bit, 15x faster on probability rows: numpy casts a value that lands in
-    float16's subnormal range (below 2**-14, most of a vocabulary's entries) on a slow scalar path. Those are
-    multiples of 2**-24 there, so their bits are round-half-even(|x| * 2**24) (exact in float32 and float64),
-    and numpy's own cast does the rest (normal values, overflow to inf, NaN)."""
+    """`x.astype(np.float16)`, bit for bit, and many times faster on probability rows: numpy casts a value
+    that lands in float16's subnormal range (below 2**-14, most of a vocabulary's entries) on a slow scalar
+    path. Those are multiples of 2**-24 there, so their bits are round-half-even(|x| * 2**24) (exact in float32
+    and float64), and numpy's own cast does the rest (normal values, overflow to inf, NaN)."""
     tiny = np.abs(x) < HALF_MIN_NORMAL
     out = np.where(tiny, 0, x).astype(np.float16)
     small = x[tiny]
@@ -323,7 +325,7 @@ def speculative_round(
     v = p_rows.shape[1]
     if n and ((toks < 0).any() or (toks >= v).any()):
         raise ValueError(f"draft_tokens {list(draft_tokens)}: ids must be in [0, {v})")
-    verdict = verify_draft(p_rows, q_rows[np.arange(n), toks], q_rows, toks, "UL", rr)
+    verdict = verify_draft(p_rows, q_rows[np.arange(n), toks], q_rows, toks, UL, rr)
     return verdict.n_accepted, verdict.token
 
 
@@ -351,7 +353,7 @@ def verify_draft(
     p_{L+1}, in either mode. A rejection at j: UL mode samples the correction from norm(max(0, p_j - q_j));
     DL mode returns token None, and the device samples it with `sample_correction` and the same uniform.
     """
-    if mode not in ("UL", "DL"):
+    if mode not in MODES:
         raise ValueError(f"mode={mode!r}: must be 'UL' or 'DL'")
     L = len(tokens)
     if len(p_rows) < L + 1:
@@ -359,7 +361,7 @@ def verify_draft(
     n = count_accepted(tokens, q_at, p_rows[np.arange(L), tokens], rr.acceptance_uniforms(L))
     if n == L:
         return Verdict(n, sample_from(p_rows[L], rr.final_uniform()))
-    if mode == "DL":
+    if mode == DL:
         return Verdict(n, None)
     if q_rows is None:
         raise ValueError("q_rows: a UL-mode correction needs the uploaded draft rows")

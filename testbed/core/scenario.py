@@ -16,8 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from testbed.core import radio
 
-PATH_LOSS_LAWS = ("3gpp_macro", "free_space_2ghz")
-
 
 class ScenarioError(ValueError):
     """A scenario that does not validate; the message has one readable line per problem."""

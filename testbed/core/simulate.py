@@ -35,39 +35,12 @@ SWEEP_KEYS = {
 _FIELD = {"dl_bandwidth": "downlink_bandwidth_hz", "dl_power": "downlink_power_w",
           "ul_bandwidth": "uplink_bandwidth_hz", "bits_per_prob": "bits_per_prob",
           "vocab_size": "vocab_size", "max_draft_len": "max_draft_len"}
-_INT_KEYS = {"devices", "bits_per_prob", "vocab_size", "max_draft_len"}
+INT_KEYS = {"devices", "bits_per_prob", "vocab_size", "max_draft_len"}  # sweep keys whose values are integers
 DEFAULT_POLICIES = [p for p in POLICIES if p != "exhaustive"]
 
 
 class SimulationError(ValueError):
     """A sweep request that cannot run (unknown key, bad values, missing drop settings)."""
-
-
-def parse_sweep(text: str) -> tuple[str, list]:
-    """'KEY=V1,V2,...' -> (key, values), with clear errors."""
-    if "=" not in text:
-        raise SimulationError(f"--sweep {text!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
-    key, _, rest = text.partition("=")
-    key = key.strip()
-    if key not in SWEEP_KEYS:
-        raise SimulationError(f"sweep key {key!r} is not allowed; allowed keys: {', '.join(SWEEP_KEYS)}")
-    values = []
-    for item in rest.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            v = float(item)
-        except ValueError:
-            raise SimulationError(f"sweep value {item!r} for {key} is not a number") from None
-        if key in _INT_KEYS:
-            if not v.is_integer():
-                raise SimulationError(f"sweep value {item!r} for {key} must be an integer")
-            v = int(v)
-        values.append(v)
-    if not values:
-        raise SimulationError(f"--sweep {text!r}: no values given")
-    return key, values
 
 
 def draw_devices(drop: DropSpec, n: int, seed) -> list[dict]:

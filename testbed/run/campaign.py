@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from testbed.run.config_override import Override, OverrideError, apply_override
+from testbed.run.config_override import Override, OverrideError, apply_override, split_key_value, split_values
 from testbed.run.profile import Profile, ProfileError, load_profile
 from testbed.runtime.errors import TestbedError
 
@@ -74,18 +74,12 @@ def parse_sweep(text: str) -> Sweep:
     """`KEY=V1,V2,...`: KEY is `devices`, a simulator key (dl_bandwidth, dl_power, ul_bandwidth,
     bits_per_prob, max_draft_len, vocab_size) or any dotted profile key; each value is read as YAML (1e6 as
     a number)."""
-    key, sep, rest = str(text).partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise CampaignError(f"--sweep {text!r}: expected KEY=V1,V2,..., e.g. --sweep devices=2,4,8")
+    key, rest = split_key_value(text, "--sweep", "KEY=V1,V2,..., e.g. --sweep devices=2,4,8", CampaignError)
     head = key.split(".")[0]
     if head in REFUSED:
         raise CampaignError(f"--sweep {text}: {head} cannot be swept in a campaign ({REFUSED[head]})")
     values = []
-    for item in rest.split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in split_values(rest):
         try:
             value = yaml.safe_load(item)
         except yaml.YAMLError:

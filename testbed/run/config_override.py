@@ -33,15 +33,29 @@ class Override:
     flag: str
 
 
+def split_key_value(text: str, flag: str, expected: str,
+                    error: type[Exception] = OverrideError) -> tuple[str, str]:
+    """'KEY=VALUE' -> (KEY stripped, VALUE as written): the one reader of the command line's KEY=VALUE
+    arguments (`--set`, the `--sweep` of `campaign` and of `simulate`). Without '=' or with an empty KEY it
+    raises `error` with the message ``<flag> '<text>': expected <expected>``."""
+    key, sep, value = str(text).partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise error(f"{flag} {text!r}: expected {expected}")
+    return key, value
+
+
+def split_values(text: str) -> list[str]:
+    """'V1, V2,,V3' -> ['V1', 'V2', 'V3']: a sweep's comma-separated values, stripped, empty ones dropped."""
+    return [item for item in (x.strip() for x in text.split(",")) if item]
+
+
 def parse_set(items: list[str] | None) -> list[Override]:
     """`--set KEY=VALUE` items as overrides; VALUE is read as YAML (``5`` an int, ``[1, 2]`` a list,
     ``null`` None, ``'5'`` a string)."""
     out = []
     for item in items or []:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise OverrideError(f"--set {item!r}: expected KEY=VALUE, e.g. --set deadline_s=5")
+        key, text = split_key_value(item, "--set", "KEY=VALUE, e.g. --set deadline_s=5")
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as exc:

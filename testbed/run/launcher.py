@@ -14,9 +14,9 @@ own once the edge is silent for its liveness window (exit status 7), while an em
 that was killed with SIGKILL must be stopped by hand (its pid is in the run's meta.json).
 
 Ctrl-C is the parent's: a terminal sends SIGINT to the whole foreground process group, and an emulator that
-died of it left the stopping run waiting out its control timeout (10 s) for the stats, with a traceback in
-its log. Children start with SIGINT ignored (Python keeps an inherited SIG_IGN), so the run stops them in
-order: the emulator's stats, `done` to the devices, then SIGTERM by pid.
+died of it would leave the stopping run waiting out its control timeout for the stats. Children start with
+SIGINT ignored (Python keeps an inherited SIG_IGN), so the run stops them in order: the emulator's stats,
+`done` to the devices, then SIGTERM by pid.
 """
 
 from __future__ import annotations

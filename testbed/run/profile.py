@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from channel_emulator import DEFAULT_SPIN_S
 from testbed import PROFILES_DIR
 from testbed.core.scenario import Scenario
+from testbed.core.vocabulary import MODES
 from testbed.run.config_override import Override, OverrideError, apply_override, attribute, loc_text, rule
 from testbed.runtime.errors import TestbedError, did_you_mean
 from testbed.wire.protocol import MAX_PROBE_BYTES
@@ -139,7 +140,7 @@ class EstimatorSettings(_Strict):
 class PinSettings(_Strict):
     # Pin every device's mode and/or draft length (None: the policy decides). For experiments such as
     # "UL and DL mode give the same text": same schedule, only the mode differs.
-    mode: Literal["UL", "DL"] | None = None
+    mode: Literal[MODES] | None = None  # Literal[("UL", "DL")] is Literal["UL", "DL"]
     draft_len: int | None = Field(default=None, ge=1)
 
 

@@ -32,12 +32,11 @@ import zmq
 from channel_emulator.proxy import ChannelControl
 from device_node.hardware import HardwareProfile, load_hardware
 from edge_node.controller import Controller
-from edge_node.server import EdgeServer
+from edge_node.server import EdgeConfig, EdgeServer
 from edge_node.verifier import BatchedVerifier, load_target
 from testbed.analysis import report
 from testbed.analysis.runs_index import pid_alive
 from testbed.core import payload
-from testbed.core.sampling import SamplingParams
 from testbed.core.scenario import Scenario
 from testbed.run.launcher import (
     COMPLETE,
@@ -336,16 +335,9 @@ def start_edge(s: LiveSession) -> None:
     bind = edge_endpoint(s)
     prompts, texts = edge_prompts(s)
     try:
+        config = EdgeConfig.from_profile(p, vocab_size=s.vocab, prompt_texts=texts, busy_poll=s.busy_poll)
         s.server = EdgeServer(bind, s.verifier, scenario=s.scenario, controller=s.controller, prompts=prompts,
-                              sampling=SamplingParams(**p.sampling.model_dump()), seed=p.seed,
-                              deadline_s=p.deadline_s, max_misses=p.max_misses, max_new_tokens=p.max_new_tokens,
-                              on_air_vocab_size=p.on_air_vocab_size, vocab_size=s.vocab,
-                              channel_mode=p.channel.mode, base_latency_s=p.channel.base_latency_s,
-                              recorder=s.recorder, policy=p.policy, prompt_texts=texts,
-                              measure_links=p.channel.measure_links, rate_probes=p.channel.rate_probes,
-                              keys_dir=p.keys_dir,
-                              heartbeat_s=p.heartbeat_s, liveness=p.liveness,
-                              schedule_ahead=p.channel.mode == "passthrough", busy_poll=s.busy_poll)
+                              config=config, recorder=s.recorder)
     except zmq.ZMQError as exc:  # a port taken since check_endpoints, or an address not of this host
         hp = tcp_port(bind)
         if exc.errno == zmq.EADDRINUSE and hp is not None:

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from testbed.core import energy as formulas
-from testbed.core import model
+from testbed.core import model, vocabulary
 from testbed.core.scenario import Scenario
 
 log = logging.getLogger("multispin.energy")
@@ -139,7 +139,7 @@ def add_device_energy(entry: dict, info: dict | None) -> None:
                                         receive_power_w=rx_w, dl_air_s=m.get("dl_air_s"),
                                         joules_per_token=per_token, drafted_tokens=entry.get("draft_len")))
         if budget is not None and m.get("tx_j") is not None:
-            within = m["tx_j"] <= budget * (1.0 + 1e-9)
+            within = vocabulary.within(m["tx_j"], budget)
     entry["within_budget"] = within
 
 

@@ -36,6 +36,8 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass
 
+from testbed.core.vocabulary import DIRECTIONS
+
 # Messages whose sizes differ by less than 10% share a group: a group's minimum is then taken over more
 # messages (small ones differ by a few header bytes), and draft lengths L and L + 1 still differ by more.
 SIZE_BIN = 0.10
@@ -61,10 +63,6 @@ class LinkFit:
     n: int
     groups: int
     resid_rms_s: float
-
-    def predict_s(self, nbytes: float) -> float:
-        """Transfer time of `nbytes` (the intercept left out)."""
-        return 8.0 * nbytes / self.rate_bps
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,7 +191,7 @@ class LinkEstimator:
     def rates(self, name: str) -> dict[str, float | None]:
         """{"ul": bit/s or None, "dl": bit/s or None}: the rates fitted to the rounds' messages (None: not
         measurable yet). `plan_rates` combines them with the probes'."""
-        return {d: (None if (f := self.fit(name, d)) is None else f.rate_bps) for d in ("ul", "dl")}
+        return {d: (None if (f := self.fit(name, d)) is None else f.rate_bps) for d in DIRECTIONS}
 
     # -- probe sweeps (`edge_node.probing`) ----------------------------------------------------------
     def set_probe(self, name: str, direction: str, fit: LinkFit | None, t: float) -> None:
@@ -225,7 +223,7 @@ class LinkEstimator:
 
     def plan_rates(self, name: str) -> tuple[dict[str, float | None], dict[str, str]]:
         """({"ul", "dl"}: bit/s or None, {"ul", "dl"}: "rounds" | "probe" | "model"), by `choose`."""
-        chosen = {d: self.choose(name, d) for d in ("ul", "dl")}
+        chosen = {d: self.choose(name, d) for d in DIRECTIONS}
         return {d: c[0] for d, c in chosen.items()}, {d: c[1] for d, c in chosen.items()}
 
     def last_measured(self, name: str, direction: str) -> float | None:

@@ -14,7 +14,7 @@ Layout of ``runs/<stamp>/``:
 
 Durability: each line is in the file (the kernel's page cache) when the call returns, so a crash of the
 process, kill -9 included, keeps every line written. fsync, which only a power cut or a kernel crash needs,
-costs about as much as the rest of a round's bookkeeping together (0.2 ms here), so by default a thread of the
+costs about as much as the rest of a round's bookkeeping together, so by default a thread of the
 recorder makes it as soon as a line is written, off the round's path (`_Syncer`); a failed fsync is raised by
 the next write. With `sync_interval_s` the logs are instead fsynced inline, together, at most that often (0:
 after every line). Either way they are fsynced when the recorder closes and by `sync()`, and a partial line

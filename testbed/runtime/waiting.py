@@ -1,15 +1,14 @@
 """Waiting for the next message: in the kernel (the default) or busy-polling.
 
 A process that sleeps in `zmq_poll` is woken by the kernel when a message comes; on a virtual machine that
-wake-up costs 0.3-0.5 ms (measured here: a 100-byte round trip takes 0.12 ms between two busy processes and
-0.57 ms when the receiver slept), and a round has two such hops plus the slower first instructions of a core
-that idled. Busy-polling trades a core for that latency: worth it only where every polling process has a core
-of its own (`busy_poll_wanted`).
+wake-up is a large part of a hop's latency, and a round has two such hops plus the slower first instructions
+of a core that idled. Busy-polling trades a core for that latency: worth it only where every polling process
+has a core of its own (`busy_poll_wanted`).
 
-A busy-polling node also rehearses: on this kind of host a step that follows milliseconds of other work (even
-of spinning) runs 2.5-7x slower than back to back (`tools/bench_cold.py`), so while it waits the node reruns,
-on the last message of the kind it waits for, the decode and checks that the next one will take. The edge's
-decode and check of a draft then took 0.26-0.33 ms per round instead of 0.38-0.52 (docs/performance.md).
+A busy-polling node also rehearses: on such hosts a step that follows milliseconds of other work (even of
+spinning) runs several times slower than back to back (`tools/bench_cold.py`), so while it waits the node
+reruns, on the last message of the kind it waits for, the decode and checks that the next one will take, and
+the real message finds them warm. The measurements are in docs/code-history.md and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ log = logging.getLogger(__name__)
 BUSY_POLL_CHOICES = ("auto", "on", "off")
 
 
-# Often enough to keep a step warm (a step after a 0.5 ms spin took 1.2x its time after a 0.1 ms one), rarely
-# enough that a message seldom waits for a rehearsal to end (0.05-0.15 ms).
+# Often enough to keep a step warm (a step cools within a fraction of a millisecond of spinning), rarely enough
+# that a message seldom waits for a rehearsal (itself a fraction of this period) to end.
 REHEARSE_EVERY_S = 5e-4
 REHEARSE_ENV = "MULTISPIN_REHEARSE"
 

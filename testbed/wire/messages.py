@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from testbed.core.sampling import WIRE_DTYPES, SamplingParams, exact_from_wire
+from testbed.core.vocabulary import DIRECTIONS, MODES, UL
 from testbed.wire import protocol as P
 from testbed.wire import sparse
 from testbed.wire.protocol import ProtocolError
 
-MODES = ("UL", "DL")
 MESSAGE_TYPES = (P.REGISTER, P.REGISTERED, P.ERROR, P.SCHEDULE, P.DRAFT, P.VERDICT, P.REPORT, P.BYE,
                  P.HEARTBEAT, P.PROBE, P.PROBE_ECHO)
 
@@ -86,7 +86,7 @@ CHANNEL_FIELDS: dict[str, tuple] = {
     "round": (int, 0, MAX_ROUND),
     "marker": (bool, None, None),
     "mode": (str, ("real", "virtual"), 16),
-    "link": (str, ("ul", "dl"), 16),
+    "link": (str, DIRECTIONS, 16),
     "dl_access": (str, None, 32),
 }
 
@@ -506,14 +506,14 @@ def draft(round_index: int, mode: str, tokens, q_rows, *, q_wire=None, last_toke
     longer be the q the token was sampled from).
     """
     toks = np.asarray(tokens, dtype=np.int32)
-    if mode == "UL" and topk is not None:
+    if mode == UL and topk is not None:
         if q_wire is None:
             raise ValueError("q_wire: UL mode uploads the wire rows the drafts were sampled through; got None")
         P.to_wire(q_wire, bits_per_prob)  # the dtype check: rows at the wire precision, never re-rounded
         bits = sparse.id_bits(max(np.shape(q_wire)[-1], on_air_vocab or 0))
         ids, values = sparse.encode(q_wire, int(topk), bits)
         payload = {"tokens": toks, "q_ids": ids, "q_p": values}
-    elif mode == "UL":
+    elif mode == UL:
         if q_wire is None:
             raise ValueError("q_wire: UL mode uploads the wire rows the drafts were sampled through; got None")
         payload = {"tokens": toks, "q": P.to_wire(q_wire, bits_per_prob, on_air_vocab)}
@@ -616,14 +616,14 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
         raise ProtocolError(f"draft.tokens: {ids} is not allowed; ids must be in [0, {vocab_size})")
     width = max(vocab_size, on_air_vocab or 0)
     q_bytes = 0
-    if mode == "UL" and topk is not None:
+    if mode == UL and topk is not None:
         ids, values = _array(arrays, "q_ids"), _array(arrays, "q_p")
         rows = sparse.decode(ids, values, draft_len=draft_len, k=topk, bits=sparse.id_bits(width),
                              vocab_size=vocab_size, bits_per_prob=bits_per_prob)
         q_rows = P.from_wire(rows, vocab_size, name="draft.q_p")
         q_at = q_rows[np.arange(draft_len), toks]
         q_bytes = ids.nbytes + values.nbytes
-    elif mode == "UL":
+    elif mode == UL:
         q = _array(arrays, "q")
         if q is None or q.dtype.name != wire or q.shape != (draft_len, width):
             raise ProtocolError(f"draft.q: {None if q is None else (q.dtype.name, q.shape)} is not allowed; "

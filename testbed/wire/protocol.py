@@ -373,7 +373,7 @@ ALLOWED_DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint32", "
 PROB_SUM_TOLERANCE = 1e-2  # float16 rounding of thousands of entries stays well inside this (checked
 # on the raw wire rows: a sanity check of the sender; the rows are normalised after it)
 
-# Message types (see testbed/messages.py for the builders and validators).
+# Message types (see testbed/wire/messages.py for the builders and validators).
 REGISTER = "register"
 REGISTERED = "registered"
 ERROR = "error"

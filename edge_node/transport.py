@@ -1,0 +1,159 @@
+"""The edge's socket: one ZeroMQ ROUTER, hardened, and everything that goes in and out of it.
+
+It sends (to a device's name, through its route with CURVE keys), receives, refuses (counted per reason, logged
+at most `REFUSAL_LOG_BURST` a second so that a flood cannot fill the disk), rate-limits each identity before
+anything is decoded, tells which name a message speaks for, and sends the heartbeats. With CURVE keys
+(`keys_dir`) only listed keys connect, and a message speaks for the name its key is bound to, whatever routing
+identity its connection chose; behind an emulator (`channel_mode` not passthrough) only the emulator's key
+connects, so no device skips its air time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import zmq
+
+from testbed.runtime import security
+from testbed.runtime.heartbeat import Heartbeat
+from testbed.runtime.sockets import harden_router, max_message_bytes
+from testbed.wire import messages as M
+from testbed.wire import protocol as P
+from testbed.wire.protocol import ProtocolError
+
+log = logging.getLogger("multispin.edge")
+
+REFUSAL_LOG_BURST = 20  # refusals logged per second; beyond that they are counted (a flood must not fill the disk)
+
+
+class Refusal(ProtocolError):
+    """A refused message with a reason tag for the per-reason counters (`EdgeSocket.refusals`)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class EdgeSocket:
+    def __init__(self, bind: str, cfg, sessions: dict, context=None):
+        self.cfg, self.sessions = cfg, sessions  # sessions: name -> Session, whose `peer.last_sent` sends update
+        self.heartbeat = Heartbeat(cfg.heartbeat_s, cfg.liveness)
+        self.keys = security.ServerKeys.load(cfg.keys_dir) if cfg.keys_dir else None
+        # Per routing identity, i.e. per connection (no handover: one connection per name). None: no limit.
+        self.limiter = security.RateLimiter(cfg.max_msgs_per_s) if cfg.max_msgs_per_s is not None else None
+        self.ctx = context or zmq.Context.instance()
+        # One open file per connection: up to the hard limit, not the shell's soft one (often 1,024), or idle
+        # peers that fill the soft limit lock every new device out.
+        security.fd_limit(raise_soft=True)
+        self.sock = self._bind(bind)
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.routes: dict[str, bytes] = {}  # with CURVE on a direct link: name -> its connection's routing identity
+        self.refused = 0
+        self.refusals: Counter[str] = Counter()  # reason -> refused messages
+        self._refusal_log = security.LogThrottle(log, REFUSAL_LOG_BURST, "refused messages")
+        self._beat = M.heartbeat()
+
+    def _bind(self, bind: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        harden_router(sock, max_msg_bytes=max_message_bytes(self.cfg.max_array_bytes),
+                      heartbeat_s=self.cfg.heartbeat_s, liveness=self.cfg.liveness)
+        # CURVE before bind; no keys: plain. Behind an emulator only its key connects: a device's own key
+        # would skip the air time (the handshake fails, so it cannot even hold a device's name here).
+        security.make_server(sock, self.keys, admit=None if self.cfg.channel_mode == "passthrough"
+                             else (security.CHANNEL_CLIENT,))
+        sock.bind(bind)
+        return sock
+
+    # -- out -------------------------------------------------------------------------------------
+    def send(self, name: str, frames: list) -> None:
+        self.sock.send_multipart([self.routes.get(name) or name.encode(), *frames], copy=False)
+        s = self.sessions.get(name)
+        if s is not None:
+            s.peer.sent()
+
+    def send_quietly(self, name: str, frames: list) -> None:
+        """A send whose failure changes nothing (a goodbye to a device that may be gone)."""
+        try:
+            self.send(name, frames)
+        except zmq.ZMQError:
+            pass
+
+    def send_heartbeats(self, now: float) -> None:
+        for name, s in list(self.sessions.items()):
+            if not s.done and self.heartbeat.due(s.peer, now):
+                self.send(name, self._beat)  # uncharged (no "air"): the emulator passes it at once
+
+    def refuse(self, ident: bytes, reason: str, message: str, round_index=None, *, answer: bool = True) -> None:
+        """Count and log a refused message; with `answer`, answer its sender with an `error` (M.error is safe
+        on peer text). Under a name in use by another connection ZeroMQ delivers nothing, so the reply reaches
+        the sender."""
+        self.refused += 1
+        self.refusals[reason] += 1
+        self._refusal_log.warn(time.monotonic(), reason, "refused a message from %s: %s",
+                               P.show(ident.decode("utf-8", "replace"), 80), message)
+        if not answer:
+            return
+        try:
+            self.sock.send_multipart([ident, *M.error(message, round_index=round_index)], copy=False)
+        except zmq.ZMQError:
+            pass
+
+    def flush_log(self, now: float) -> None:
+        self._refusal_log.flush(now)
+
+    # -- in --------------------------------------------------------------------------------------
+    def recv(self) -> list | None:
+        """The next queued message's frames, or None."""
+        try:
+            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+
+    def admitted(self, ident: bytes, t_arr: float) -> bool:
+        """Within its identity's rate; else refused, before anything is decoded and unanswered: a flood costs a
+        receive and this check. A device's probe echoes come at most one per 10 ms: far below the limit."""
+        if self.limiter is None or self.limiter.allow(ident, t_arr):
+            return True
+        self.refuse(ident, "rate_limited", f"over {self.limiter.rate:g} messages/s; dropped unanswered", answer=False)
+        return False
+
+    def sender(self, ident: bytes, frames: list) -> tuple[str, bool]:
+        """(the name a message speaks for, whether its key says so): with CURVE on a direct link, the name its
+        key is bound to, never the routing identity (the peer's own choice: a listed key that connected first
+        under another device's name would hold that name, as ZeroMQ ignores a second connection under it);
+        replies to the name go to the connection that last registered under it (`routes`,
+        `security.claims_route`). Else the routing identity."""
+        key_name = None
+        if self.keys is not None and self.cfg.channel_mode == "passthrough" and len(frames) > 1:
+            key_name = security.sender_name(frames[1])
+        if key_name is None or key_name == security.CHANNEL_CLIENT:
+            return ident.decode("utf-8", "replace"), False
+        return key_name, True
+
+    def route(self, name: str, ident: bytes, keyed: bool, header: dict) -> None:
+        """Replies to a keyed name go to the connection that claims it (one entry per listed key at most)."""
+        if keyed and (name not in self.routes or security.claims_route(name, header)):
+            self.routes[name] = ident
+
+    def check_sender(self, frames: list) -> None:
+        """With CURVE behind an emulator: only the emulator's key, which speaks for every device (the ZAP handler
+        refuses the others already). On a direct link a key speaks for its own name (`sender`): nothing to check."""
+        if self.keys is None or len(frames) < 2 or self.cfg.channel_mode == "passthrough":
+            return
+        sender = security.sender_name(frames[1])
+        if sender != security.CHANNEL_CLIENT:
+            raise Refusal("identity", f"the key of {sender!r} cannot reach this edge: "
+                                      "devices connect through the channel emulator")
+
+    def via_channel(self, frames: list) -> bool:
+        """Whether the message came through the channel emulator, so that its `channel` annotation is the
+        emulator's and not the sender's own (a device can write any annotation into its header)."""
+        if self.cfg.channel_mode == "passthrough":
+            return False
+        if self.keys is not None and len(frames) > 1:
+            return security.sender_name(frames[1]) == security.CHANNEL_CLIENT
+        return True  # without keys the edge cannot tell; the emulator overwrites charged messages' annotation
+
+    def close(self) -> None:
+        self.sock.close(linger=200)

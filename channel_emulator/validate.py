@@ -134,14 +134,15 @@ class _Bench:
 
         self.spin_receive = spin_receive
         from channel_emulator.proxy import ChannelControl
-        from testbed.runtime.processes import how_it_exited
+        from testbed.runtime.processes import how_it_exited, signals_held
         from testbed.wire.protocol import encode_header, tx_start_marker
 
         self.encode_header = encode_header
         self.ctx = zmq.Context()
         self.proc, self.control, self.edge, self.sender = None, None, None, None
         try:  # Ctrl-C may come at any step: whatever was made so far is undone by close()
-            self.proc, eps = start_emulator(tmp, mode=mode, spin_s=spin_s)
+            with signals_held():
+                self.proc, eps = start_emulator(tmp, mode=mode, spin_s=spin_s)
             self.control = ChannelControl(eps["control"], timeout_s=10.0, context=self.ctx,
                                           gone=lambda: how_it_exited(self.proc))
             self.edge = self.ctx.socket(zmq.ROUTER)

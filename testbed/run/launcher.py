@@ -39,7 +39,7 @@ from pathlib import Path
 
 from testbed.run.profile import Profile
 from testbed.runtime.errors import TestbedError
-from testbed.runtime.processes import child_preexec
+from testbed.runtime.processes import child_preexec, signals_held
 
 log = logging.getLogger("multispin.launcher")
 
@@ -76,9 +76,10 @@ class Launcher:
         fh = open(self.log_dir / f"{label}.log", "ab")
         self._logs.append(fh)
         # The caller's working directory: relative paths in the profile mean what they meant there.
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})},
-                                preexec_fn=child_preexec())
-        self.procs[label] = proc
+        with signals_held():
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})},
+                                    preexec_fn=child_preexec())
+            self.procs[label] = proc
         log.debug("started %s (pid %d): %s", label, proc.pid, " ".join(argv))
         return proc
 

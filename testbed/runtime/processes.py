@@ -8,8 +8,26 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+@contextmanager
+def signals_held():
+    """Hold Ctrl-C, SIGTERM and SIGHUP (POSIX, main thread) until the block ends: a child started inside it
+    is in the caller's hands before the signal's KeyboardInterrupt can land. Otherwise a signal that comes
+    while Popen waits for the child's exec loses the handle, and nobody stops the child."""
+    if os.name != "posix" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def child_preexec():
@@ -27,6 +45,7 @@ def child_preexec():
 
     def preexec() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run stops its children itself (module docstring)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)  # a mask held by `signals_held` is the parent's only
         if prctl is None:
             return
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

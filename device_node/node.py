@@ -14,7 +14,11 @@ Robustness (a LAN is shared, edges restart):
   Pirate" pattern: a DEALER whose peer vanished keeps queueing, a new one starts clean);
 - when the edge announces heartbeats (``registered.heartbeat_s``), the device sends a `heartbeat` whenever
   it sent nothing for that period, and leaves with `ExitCode.EDGE_GONE` when the edge was silent for
-  ``liveness`` periods; with ``reconnect`` it reopens the socket and registers again until the edge returns;
+  ``liveness`` periods; with ``reconnect`` it reopens the socket and registers again until the edge returns.
+  A device that was itself away (stopped, a suspended laptop: its loop ran late) first reads what its socket
+  holds, waiting up to one period for it, before it judges the edge: the edge's messages may be waiting;
+- an edge that ended this device's session (it was silent past the window) refuses its messages as "not
+  registered": the device registers again under its name and goes on from the next round;
 - with client keys (``--keys``, `testbed.runtime.security`) the socket is a CURVE client of the edge (or emulator).
 
 Several devices in one process (`device_node.host`, a profile's ``devices_per_process``): each is a
@@ -66,6 +70,16 @@ class _EdgeLost(Exception):
     """Internal: the edge was silent for its liveness window."""
 
 
+class _SessionEnded(Exception):
+    """Internal: the edge says this device has no session there (it ended it: silent past the liveness window,
+    e.g. while this process was stopped); the device registers again under its name."""
+
+
+# An edge's refusal that means "this device has no session here" (`edge_node.inbox`), or that its session belongs
+# to another connection of its key: either way, registering again is the way back in.
+SESSION_ENDED_REFUSALS = ("which is not registered", "is in use by another connection")
+
+
 class DeviceNode:
     """One device: registers with the edge, then drafts, uploads and corrects round by round."""
 
@@ -97,6 +111,7 @@ class DeviceNode:
         self.liveness = M.DEFAULT_LIVENESS
         self.peer = PeerTimes()  # when this device last sent to the edge and last heard from it
         self.dropped_messages = 0  # received messages refused (malformed, out of place)
+        self._session_ended: str | None = None  # the edge's refusal saying this device has no session there
         self._probe_pad = None     # a rate probe's echo padding (uint8 zeros), grown to the largest asked for
         # A shared host's wait for the message in hand: received -> its handling began (`_serve`).
         self._gate_wait_s = 0.0
@@ -162,6 +177,11 @@ class DeviceNode:
                 return code
             try:
                 return self._serve()
+            except _SessionEnded as exc:
+                log.warning("%s: the edge ended this device's session (%s); registering again", self.name, exc)
+                self._end_session()
+                deadline = None if self.reconnect else time.monotonic() + self.register_timeout_s
+                continue
             except _EdgeLost:
                 silent = time.monotonic() - self.peer.last_heard
                 if not self.reconnect:
@@ -229,10 +249,16 @@ class DeviceNode:
             retry = min(2 * retry, self.register_retry_max_s)
 
     def _serve(self) -> ExitCode:
-        """Serve the session until bye or a fatal error; raises _EdgeLost when the edge goes silent."""
+        """Serve the session until bye or a fatal error; raises _EdgeLost when the edge goes silent, _SessionEnded
+        when the edge says this device has no session there."""
+        self._session_ended = None
+        last_top, asked = time.monotonic(), 0.0
+        away = False  # this process ran late since it last heard the edge (stopped, suspended, a long draft)
         while True:
             now = time.monotonic()
             beat = None if self.heartbeat_s is None else Heartbeat(self.heartbeat_s, self.liveness)
+            if beat is not None and now - last_top > asked + beat.period_s:
+                away = True
             if beat is None:
                 wait = self.idle_timeout_s - (now - self.peer.last_heard)
             else:
@@ -240,9 +266,11 @@ class DeviceNode:
                     self._heartbeat()
                     now = time.monotonic()
                 wait = beat.wait_s(self.peer, now)
+            last_top, asked = now, max(0.0, wait)
             # Poll even when the window is over: after a pause (SIGSTOP, a slow draft) messages may be
             # waiting, and they prove the edge alive.
             if wait_readable(self.sock, wait, busy=self.busy_poll, rehearse=self.rehearsal.run):
+                away = False
                 frames = self.sock.recv_multipart(copy=False)
                 self._t_recv = time.monotonic()
                 t_recv = time.perf_counter()
@@ -251,6 +279,8 @@ class DeviceNode:
                     code = self._handle(frames)
                 if code is not None:
                     return code
+                if self._session_ended is not None:
+                    raise _SessionEnded(self._session_ended)
                 continue
             silent = time.monotonic() - self.peer.last_heard
             if beat is None:
@@ -258,6 +288,15 @@ class DeviceNode:
                     log.error("%s: no message from the edge for %.0f s; leaving", self.name, silent)
                     return ExitCode.EDGE_SILENT
             elif beat.expired(self.peer, time.monotonic()):
+                if away:
+                    # This process was away, and so was ZeroMQ's I/O thread: the edge's messages may still be on
+                    # their way into the socket. One period for them before the edge is judged.
+                    away = False
+                    log.info("%s: this device was away (the edge silent for %.1f s meanwhile); reading what "
+                             "the edge sent before judging it", self.name, silent)
+                    last_top, asked = time.monotonic(), beat.period_s
+                    if wait_readable(self.sock, beat.period_s, busy=self.busy_poll):
+                        continue
                 raise _EdgeLost()
 
     def _handle(self, frames: list) -> ExitCode | None:
@@ -294,6 +333,8 @@ class DeviceNode:
                 log.warning("%s: edge reports: %s", self.name, err.message)
                 if err.fatal:
                     return ExitCode.EDGE_FATAL
+                if self.session is not None and any(m in err.message for m in SESSION_ENDED_REFUSALS):
+                    self._session_ended = P.show(err.message, 200)  # `_serve` registers again
             elif kind == P.REGISTERED:
                 # The edge opened a new session (an answer to a resent register, or the edge restarted it).
                 self._start_session(header, arrays)
@@ -394,6 +435,11 @@ class DeviceNode:
                        RoundRandomness(self.seed, self.name, sched.round + 1).draft_generator())
 
     def _on_verdict(self, header: dict, arrays: dict) -> None:
+        if header.get("dropped") is True and (self.pending is None or header.get("round") != self.pending[0].round):
+            # The edge dropped a round this device holds no draft of (it refused that round's schedule, or
+            # already dropped the round itself): nothing to undo.
+            log.info("%s: round %s dropped by the edge (no draft of it here)", self.name, P.show(header.get("round")))
+            return
         if self.pending is None or header.get("round") != self.pending[0].round:
             raise ProtocolError(f"verdict.round: {P.show(header.get('round'))} does not match the round in flight "
                                 f"{None if self.pending is None else self.pending[0].round}")
@@ -402,7 +448,8 @@ class DeviceNode:
                       on_air_vocab=self.on_air)
         try:
             v = M.parse_verdict(header, arrays, **checks)
-            if v.token is None and (sched.mode != DL or v.n_accepted >= sched.draft_len):
+            # (A dropped verdict carries neither token nor p: it is no verdict to check against the mode.)
+            if not v.dropped and v.token is None and (sched.mode != DL or v.n_accepted >= sched.draft_len):
                 raise ProtocolError(f"verdict: a distribution p for n_accepted={v.n_accepted} in mode {sched.mode}")
         except ProtocolError as exc:
             # Our round's verdict is unusable: drop the round here too (the edge sees no report).

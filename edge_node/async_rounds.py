@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_node.controller import DeviceOutcome, RoundPlan, channel_links, round_record
-from edge_node.round_state import DRAIN_BATCH, RoundInFlight
+from edge_node.round_state import DRAIN_BATCH, RoundInFlight, missed_reasons
 from testbed.core import model
 from testbed.core.optimizer import DevicePlan
+from testbed.core.vocabulary import DL, DOWNLINK
 from testbed.runtime.errors import TestbedError
 from testbed.wire import messages as M
 
@@ -206,7 +207,7 @@ class AsyncRounds:
         srv = self.srv
         flying = {n: self.flying[n] for n, c in self.open.items()
                   if (n in batch or (c.outcome is not None and n not in self.flying[n].reports))
-                  and self.flying[n].schedule[n].mode == "DL"}
+                  and self.flying[n].schedule[n].mode == DL}
         if srv.channel is None or not any(n in batch for n in flying):
             return sorted(flying)
         rates = shared_dl_rates({n: (cur.plan, cur.schedule[n]) for n, cur in flying.items()})
@@ -287,6 +288,7 @@ class AsyncRounds:
                            extra={"channel_mode": srv.config.channel_mode, "plan_s": cur.plan_s,
                                   # the sweeps since the previous record, as synchronous rounds list them
                                   **({"link_probes": srv.prober.take_log()} if srv.prober is not None else {})})
+        missed_reasons(rec, cur)
         d = rp.per_device[name]
         verify = (rp.plan.get("phases_s") or {}).get("verify") or 0.0
         t_k = d.uplink_s + verify + d.downlink_s + rp.scenario.round_overhead_s
@@ -312,7 +314,7 @@ def shared_dl_rates(entries: dict[str, tuple[RoundPlan, DevicePlan]]) -> dict[st
         k = [x.name for x in rp.scenario.devices].index(n)
         bits.append(d.dl_bits)
         gains.append(float(rp.scenario.gains_linear()[k]))
-        fixed.append(float(rp.scenario.fixed_rates_bps("dl")[k]))
+        fixed.append(float(rp.scenario.fixed_rates_bps(DOWNLINK)[k]))
     sc = entries[names[0]][0].scenario  # band, power, access and noise are the run's, whichever plan holds them
     _, rates, _, _ = model.dl_schedule(sc, np.array(bits), np.array(gains), fixed=np.array(fixed))
     out = {}

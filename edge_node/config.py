@@ -25,6 +25,7 @@ class EdgeConfig:
     seed: int = 0
     deadline_s: float = 10.0
     max_misses: int = 2
+    max_invalid_payloads: int = 3  # drafts in a row refused by testbed.wire.validate: then the session ends
     max_new_tokens: int = 0
     on_air_vocab_size: int | None = None
     channel_mode: str = "passthrough"
@@ -61,6 +62,7 @@ class EdgeConfig:
         """The edge's settings of a run profile (`testbed.run.profile`)."""
         return cls(vocab_size=vocab_size, sampling=SamplingParams(**p.sampling.model_dump()), seed=p.seed,
                    deadline_s=p.deadline_s, max_misses=p.max_misses, max_new_tokens=p.max_new_tokens,
+                   max_invalid_payloads=p.max_invalid_payloads,
                    on_air_vocab_size=p.on_air_vocab_size, channel_mode=p.channel.mode,
                    base_latency_s=p.channel.base_latency_s, policy=p.policy, prompt_texts=prompt_texts,
                    measure_links=p.channel.measure_links, rate_probes=p.channel.rate_probes,

@@ -37,7 +37,11 @@ from testbed.core.model import distribution_bits, evaluate
 from testbed.core.optimizer import DevicePlan, InfeasiblePlanError, Plan, plan
 from testbed.core.policy import DeviceResult, PolicyError, RoundOutcome, policy_name
 from testbed.core.scenario import Scenario
-from testbed.core.vocabulary import LEGACY_DEVICE_FIELDS, PHASE_FIELDS  # noqa: F401 - re-exported
+from testbed.core.vocabulary import (
+    DL,
+    PHASE_FIELDS,  # noqa: F401 - re-exported
+    UL,
+)
 from testbed.runtime.energy import EnergyLedger, add_device_energy, add_round_energy
 from testbed.runtime.errors import TestbedError
 
@@ -262,7 +266,7 @@ class Controller:
         if not math.isfinite(bits):  # charged_bytes comes from a header annotation
             return
         self._header_obs.append(bits)
-        if mode == "DL":
+        if mode == DL:
             self._header_obs_dl.append(bits)
         recent = self._header_obs_dl if len(self._header_obs_dl) >= 3 else self._header_obs
         if len(recent) >= 3:
@@ -383,7 +387,7 @@ def channel_links(rp: RoundPlan, fallback_dl_bps: float = 1e9) -> dict[str, dict
     for name, d in rp.per_device.items():
         ul = d.ul_rate_bps or None
         dl = d.dl_rate_bps or None
-        if d.mode == "UL" or not dl:
+        if d.mode == UL or not dl:
             dl = fallback_dl_bps
         if rp.rate_source == "trace":  # measured rates belong to a real link: never sent to an emulator
             fixed = rp.rate_override.get(name) or {}
@@ -476,7 +480,7 @@ def round_record(rp: RoundPlan, *, policy: str, outcomes: dict[str, DeviceOutcom
     up_phases = [devices[n]["measured"]["uplink_phase_s"] for n in present]
     # The DL phase is the shared DL of the distributions p_j; a verdict that carries a token is a short reply.
     dl_phases = [devices[n]["measured"]["dl_air_s"] for n in present
-                 if rp.per_device[n].mode == "DL" and outcomes[n].dl_payload == "p"]
+                 if rp.per_device[n].mode == DL and outcomes[n].dl_payload == "p"]
     up_phases = [t for t in up_phases if t is not None]
     dl_phases = [t for t in dl_phases if t is not None]
     tokens = sum(_credited(outcomes[n]) for n in present)
@@ -491,7 +495,7 @@ def round_record(rp: RoundPlan, *, policy: str, outcomes: dict[str, DeviceOutcom
                 "goodput_tps": tokens / round_s if round_s > 0 else None, "wall_round_s": wall_round_s}
     rec = {"round": rp.round, "t_start_s": t_start_s, "policy": policy,
            "time_base": "wall" if virtual is None else "virtual",
-           "num_ul": sum(1 for n in rp.devices if rp.per_device[n].mode == "UL"),
+           "num_ul": sum(1 for n in rp.devices if rp.per_device[n].mode == UL),
            "devices": devices, "predicted": predicted, "measured": measured,
            "verify_model": {"t0_s": rp.scenario.verify_t0_s, "t1_s": rp.scenario.verify_t1_s},
            "round_overhead_s": rp.scenario.round_overhead_s, "header_bits": rp.scenario.header_bits,
@@ -553,9 +557,8 @@ def _planned_entry(rp: RoundPlan, name: str) -> dict:
         "tokens": d.expected_tokens, "goodput_tps": d.goodput_tps, "ul_bits": d.ul_bits, "dl_bits": d.dl_bits,
         "ul_rate_bps": d.ul_rate_bps, "dl_rate_bps": d.dl_rate_bps,
     }
-    _add_legacy(predicted)
     # The uploaded distributions' bytes by the model: L D / 8 in UL mode (D: V b_p dense, k (b_id + b_p) top-k).
-    predicted["q_bytes"] = d.draft_len * distribution_bits(rp.scenario) / 8.0 if d.mode == "UL" else 0.0
+    predicted["q_bytes"] = d.draft_len * distribution_bits(rp.scenario) / 8.0 if d.mode == UL else 0.0
     entry = {"mode": d.mode, "draft_len": d.draft_len, "ul_power_w": d.ul_power_w, "dl_power_w": d.dl_power_w,
              "topk_k": rp.topk, "estimate": rp.estimates.get(name), "predicted": predicted}
     fixed = rp.rate_override.get(name)
@@ -572,8 +575,8 @@ def _planned_entry(rp: RoundPlan, name: str) -> dict:
 def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: float,
                   virtual_up_phase_s: float | None = None) -> dict:
     """One device's part of the round record: its schedule, the prediction and (unless missed) the measurement.
-    Phase times carry the vocabulary's names (`PHASE_FIELDS`) and, beside them, the old ones for one release
-    (`LEGACY_DEVICE_FIELDS`)."""
+    Phase times carry the vocabulary's names (`PHASE_FIELDS`) only; readers accept the old names of earlier
+    releases (`LEGACY_DEVICE_FIELDS`)."""
     d, entry = rp.per_device[name], _planned_entry(rp, name)
     if o is None:
         entry.update({"missed": True, "measured": None})
@@ -610,18 +613,11 @@ def _device_entry(rp: RoundPlan, name: str, o: DeviceOutcome | None, round_s: fl
         for key, direction in (("ul_air_s", "ul"), ("dl_air_s", "dl")):
             if measured[key] is None and (o.link.get(direction) or {}).get("s") is not None:
                 measured[key] = o.link[direction]["s"]
-    _add_legacy(measured)
     entry.update({"missed": False, "n_accepted": o.n_accepted, "dl_payload": o.dl_payload, "measured": measured,
                   "ul_channel": o.ul_channel, "dl_channel": o.dl_channel, "report_late": o.report_late,
                   "verdict_unconfirmed": o.report_late})
     add_device_energy(entry, rp.energy.get(name))
     return entry
-
-
-def _add_legacy(times: dict) -> None:
-    """The old names beside the new ones (for one release; readers of older records use them)."""
-    for new, old in LEGACY_DEVICE_FIELDS.items():
-        times[old] = times[new]
 
 
 def _bytes(ch: dict | None, counted: int) -> int:

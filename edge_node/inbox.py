@@ -13,11 +13,13 @@ from edge_node.round_state import ArrivedDraft
 from edge_node.sessions import Session
 from edge_node.transport import Refusal
 from edge_node.virtual_clock import WAITED_S, ThreadClock
+from testbed.core.vocabulary import UPLINK
 from testbed.runtime import timeline
 from testbed.runtime.waiting import Rehearsal
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 from testbed.wire.protocol import ProtocolError
+from testbed.wire.validate import InvalidPayload
 
 log = logging.getLogger("multispin.edge")
 
@@ -29,6 +31,8 @@ class Inbox:
         self._clock = ThreadClock()  # restarted for each message (a draft's `handled_s`)
         self._frames_in: list = []  # the message being handled (a draft's are kept for `rehearsal`)
         self.rehearsal = Rehearsal(self.cfg.busy_poll)  # the last draft's decode and checks, rerun while busy-polling
+        # name -> (session id, drafts in a row refused by testbed.wire.validate); `max_invalid_payloads` end it
+        self.invalid_streak: dict[str, tuple[str, int]] = {}
 
     def mark_free(self) -> None:
         """The edge is free to read again: a message read within WAITED_S of this was queued while it was busy."""
@@ -118,12 +122,30 @@ class Inbox:
         except Exception as exc:
             # Its draft will not come: the round goes on without it at once instead of at the deadline.
             cur.given_up[name] = f"draft refused: {P.show(str(exc), 200)}"
+            if isinstance(exc, InvalidPayload) and self._invalid_payload(name, s, exc, cur.index):
+                return
             raise
+        self.invalid_streak.pop(name, None)
         timeline.stamp("edge: draft checked")
         self.rehearsal.set(self._rehearse_draft, self._frames_in[1:], checks)
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
         handled_s = max(0.0, time.monotonic() - t_arr - self._clock.descheduled_s())
         cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=handled_s)
+
+    def _invalid_payload(self, name: str, s: Session, exc: InvalidPayload, r: int) -> bool:
+        """Count a draft whose distributions `testbed.wire.validate` refused; at `max_invalid_payloads` in a row,
+        answer it (`error`) and end the device's session (`bye`). True when the session ended."""
+        sid, n = self.invalid_streak.get(name, (s.sid, 0))
+        n = n + 1 if sid == s.sid else 1
+        self.invalid_streak[name] = (s.sid, n)
+        if n < self.cfg.max_invalid_payloads:
+            return False
+        del self.invalid_streak[name]
+        self.srv.socket.refuse(self._frames_in[0].bytes, "invalid", str(exc), r)
+        limit = self.cfg.max_invalid_payloads
+        self.srv.roster.drop(name, f"{n} invalid payloads in a row (max_invalid_payloads {limit}); the last: "
+                                   f"{P.show(str(exc), 200)}")
+        return True
 
     def _rehearse_draft(self, frames: list, checks: dict) -> None:
         """A draft's decode and checks on `frames` (one that passed them), its result dropped."""
@@ -138,7 +160,7 @@ class Inbox:
                                 f"(last token {expected_last}); the device is out of sync")
         if not via_channel:
             d.channel = None  # no emulator in between: an annotation would be the device's own claim
-        elif header.get("air") != "ul":
+        elif header.get("air") != UPLINK:
             # Through the emulator a draft must be charged: one sent without "air" skips its air time.
             raise ProtocolError(f"draft.air: {P.show(header.get('air'))} is not allowed through the channel "
                                 "emulator; must be 'ul'")

@@ -42,13 +42,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from testbed.core.vocabulary import DOWNLINK, UPLINK
 from testbed.runtime.link_estimate import DirectionEstimate, LinkFit, next_sweep_size
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 
 log = logging.getLogger("multispin.edge.probing")
 
-DIRECTIONS = ("dl", "ul")  # a registration sweeps both, the downlink first (the edge's own egress)
+DIRECTIONS = (DOWNLINK, UPLINK)  # a registration sweeps both, the downlink first (the edge's own egress)
 POINTS = 3              # sizes from a quarter of the largest to it, after the growth
 REPEATS = 2             # ... each probed this many times: the minimum drops one-sided delays
 MAX_REPEATS = 6         # ... or up to this many while the fit cannot tell yet (a fast link), within the budget
@@ -63,7 +64,7 @@ RESID_FLOOR_S = 0.001   # ... or this (a fast link's transfers are as short as t
 
 
 def _other(direction: str) -> str:
-    return "ul" if direction == "dl" else "dl"
+    return "ul" if direction == DOWNLINK else "dl"
 
 
 def _moved(ref: float | None, rate: float | None) -> bool:
@@ -335,7 +336,7 @@ class Prober:
         srv = self.server
         if not self._session_ok(sw):
             return None, "the session ended"
-        if sw.direction == "dl":  # n bytes down, nothing back
+        if sw.direction == DOWNLINK:  # n bytes down, nothing back
             if self._zeros is None or self._zeros.size < size:
                 self._zeros = np.zeros(max(size, self.settings.max_bytes), np.uint8)
             p = _Pending(sw.name, next(self._ids), 0, 0.0)

@@ -93,6 +93,16 @@ def schedule_fields(cur: RoundInFlight, name: str, deadline_s: float) -> dict:
                              deadline_s, topk=cur.plan.topk)
 
 
+def missed_reasons(rec: dict, cur: RoundInFlight) -> None:
+    """Name in round record `rec` why each device that missed it was given up (`missed_reason`: its draft was
+    refused, e.g. `draft refused: draft.q: contains NaN ...`, or its session ended); a device that simply sent
+    nothing by the deadline has none."""
+    for name, why in cur.given_up.items():
+        entry = rec.get("devices", {}).get(name)
+        if entry is not None and entry.get("missed"):
+            entry["missed_reason"] = why
+
+
 class Rounds(Protocol):
     """A round loop on the `EdgeServer`'s public interface: `SyncRounds` or `AsyncRounds` (`scenario.rounds`)."""
 

@@ -1,8 +1,9 @@
 """The edge's sessions: registration, liveness, leaving and rejoining.
 
 Names: ZeroMQ ignores a second connection under a connected name (no ROUTER_HANDOVER); a registration under a
-name whose session is alive is refused ("name in use"); once that session is silent (its device crashed), a
-new registration takes it over. A session silent for the liveness window is ended and its KV cache freed; a
+name whose session is alive is refused ("name in use"; with CURVE keys, a second connection presenting the key
+gets that refusal and nothing of the holder's, `EdgeSocket.route`); once that session is silent (its device
+crashed), a new registration takes it over. A session silent for the liveness window is ended and its KV cache freed; a
 device that misses `max_misses` rounds in a row is dropped. Devices may register at any time; they take part
 from the next round."""
 
@@ -74,6 +75,9 @@ class Sessions:
             # Not "register.*": a restarted device retries (its old session ends once silent), it does not quit.
             raise Refusal("name_in_use", f"name in use: {name!r} has a live session; register again once it has "
                                          f"been silent for {self.cfg.window_s:g} s (a restarted device takes it over)")
+        # Accepted: with CURVE keys, the replies to the name move to this connection (`EdgeSocket.take_route`);
+        # a refused one leaves them with the live holder.
+        self.srv.socket.take_route(name)
         if old is not None:
             log.info("%s: re-registered; closing its old session %s", name, old.sid)
             self.end(name, "re-registered", notify=False)

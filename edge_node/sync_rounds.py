@@ -14,7 +14,7 @@ import logging
 import time
 
 from edge_node.controller import DeviceOutcome, RoundPlan, channel_links, round_record
-from edge_node.round_state import RoundInFlight, schedule_fields
+from edge_node.round_state import RoundInFlight, missed_reasons, schedule_fields
 from edge_node.verification import DrawsAhead
 from edge_node.virtual_clock import ThreadClock, VirtualClock
 from testbed.runtime import timeline
@@ -230,6 +230,7 @@ class SyncRounds:
                                   "edge_phases_s": edge_phases(cur, verify_s, t_end, self.last_round_end),
                                   **({"link_probes": srv.prober.take_log()} if srv.prober is not None else {}),
                                   "joined": sorted(set(srv.sessions) - set(cur.schedule) - set(rp.sat_out))})
+        missed_reasons(rec, cur)
         # T_0 is fitted on full rounds, in the record's time base (with a virtual channel, the virtual round time).
         full = bool(outcomes) and len(outcomes) == len(cur.schedule)
         srv.keep_record(rec, fit_round=(rp.plan["round_time_s"], rp.scenario.round_overhead_s) if full else None)

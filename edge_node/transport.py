@@ -49,6 +49,8 @@ class EdgeSocket:
         self.sock = self._bind(bind)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.routes: dict[str, bytes] = {}  # with CURVE on a direct link: name -> its connection's routing identity
+        self._claim: tuple[str, bytes] | None = None  # (name, connection) a `register` in hand would move it to
+        self._in_hand: list = []  # the last message's first frames (`recv`): a refusal logs its sender's address
         self.refused = 0
         self.refusals: Counter[str] = Counter()  # reason -> refused messages
         self._refusal_log = security.LogThrottle(log, REFUSAL_LOG_BURST, "refused messages")
@@ -90,14 +92,22 @@ class EdgeSocket:
         the sender."""
         self.refused += 1
         self.refusals[reason] += 1
-        self._refusal_log.warn(time.monotonic(), reason, "refused a message from %s: %s",
-                               P.show(ident.decode("utf-8", "replace"), 80), message)
+        self._refusal_log.warn(time.monotonic(), reason, "refused a message from %s%s: %s",
+                               P.show(ident.decode("utf-8", "replace"), 80), self._address(ident), message)
         if not answer:
             return
         try:
             self.sock.send_multipart([ident, *M.error(message, round_index=round_index)], copy=False)
         except zmq.ZMQError:
             pass
+
+    def _address(self, ident: bytes) -> str:
+        """' (from ADDRESS)': the peer address ZeroMQ gives the message in hand from `ident`, if it has one."""
+        frames = self._in_hand
+        if len(frames) < 2 or frames[0].bytes != ident:
+            return ""
+        address = security.peer_address(frames[1])
+        return f" (from {address[:80]})" if address else ""
 
     def flush_log(self, now: float) -> None:
         self._refusal_log.flush(now)
@@ -106,9 +116,11 @@ class EdgeSocket:
     def recv(self) -> list | None:
         """The next queued message's frames, or None."""
         try:
-            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        self._in_hand = frames[:2]  # identity and header only: an array frame may be large
+        return frames
 
     def admitted(self, ident: bytes, t_arr: float) -> bool:
         """Within its identity's rate; else refused, before anything is decoded and unanswered: a flood costs a
@@ -132,9 +144,30 @@ class EdgeSocket:
         return key_name, True
 
     def route(self, name: str, ident: bytes, keyed: bool, header: dict) -> None:
-        """Replies to a keyed name go to the connection that claims it (one entry per listed key at most)."""
-        if keyed and (name not in self.routes or security.claims_route(name, header)):
+        """Which connection holds a keyed name: replies to it go there (`routes`, one entry per listed key at
+        most). The first connection heard from holds it until a registration is accepted from another
+        (`take_route`, from `Sessions.register`): a `register` under the key's own name from a second connection
+        only proposes a move, so one refused as "name in use" leaves the replies with the live holder. Any
+        other message from a second connection while the name has a session is refused (`duplicate_key`): a
+        copy of a device's key file can neither speak for its live session nor cut it out."""
+        self._claim = None
+        if not keyed:
+            return
+        holder = self.routes.get(name)
+        if holder is None:
             self.routes[name] = ident
+        elif holder != ident:
+            if security.claims_route(name, header):
+                self._claim = (name, ident)
+            elif name in self.sessions:
+                raise Refusal("duplicate_key", f"the key of {name!r} is in use by another connection, which holds "
+                                               "its session; refused")
+
+    def take_route(self, name: str) -> None:
+        """A registration under `name` was accepted: replies to it go to the connection it came from."""
+        if self._claim is not None and self._claim[0] == name:
+            self.routes[name] = self._claim[1]
+        self._claim = None
 
     def check_sender(self, frames: list) -> None:
         """With CURVE behind an emulator: only the emulator's key, which speaks for every device (the ZAP handler

@@ -24,6 +24,7 @@ from testbed.core.sampling import (
     to_wire_precision,
     verify_draft,
 )
+from testbed.core.vocabulary import DOWNLINK, UPLINK
 from testbed.runtime import timeline
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
@@ -153,7 +154,7 @@ class Verification:
         o.t_verdict = time.monotonic()
         timeline.stamp("edge: verdict encoded", o.t_verdict)
         if self.cfg.tx_marker and self.srv.channel is not None:
-            sock.send(name, [P.tx_start_marker("dl")])  # the emulator starts the air time at the marker
+            sock.send(name, [P.tx_start_marker(DOWNLINK)])  # the emulator starts the air time at the marker
         sock.send(name, frames)  # the device's part of the round goes on while the edge commits
         timeline.stamp("edge: verdict sent")
         if scheduled and not inside:
@@ -190,7 +191,7 @@ class Verification:
         if links is not None and not arrived.waited:  # a draft read late says nothing of the link
             # schedule sent -> draft here, minus the device's drafting: the one-way trips (+ the upload)
             seconds = arrived.t_arrival - cur.t0 - (o.timings.get("draft_s") or 0.0)
-            o.link = {"ul": links.observe(name, "ul", arrived.nbytes, seconds, t=arrived.t_arrival)}
+            o.link = {"ul": links.observe(name, UPLINK, arrived.nbytes, seconds, t=arrived.t_arrival)}
             self.srv.publish_link_rates([name])
 
     def take_report(self, cur: RoundInFlight, name: str, o: DeviceOutcome) -> float:
@@ -202,7 +203,7 @@ class Verification:
         links = self.srv.links
         if links is not None and name not in cur.reports_waited:
             # verdict sent -> report here, minus the device's correction: the one-way trips (+ the verdict)
-            entry = links.observe(name, "dl", o.dl_bytes, o.report_s - (o.correction_s or 0.0), t=t_report)
+            entry = links.observe(name, DOWNLINK, o.dl_bytes, o.report_s - (o.correction_s or 0.0), t=t_report)
             o.link = {**(o.link or {}), "dl": entry}
             self.srv.publish_link_rates([name])
         return t_report

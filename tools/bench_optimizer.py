@@ -12,7 +12,7 @@ glibc's defaults instead, under which large temporaries fault their pages in aga
 
 Run: python tools/bench_optimizer.py [--repeats R] [--sizes 8,32,128,512] [--against REV | --no-compare]
      [--set dl_provisioning=expected --set rounds=asynchronous ...]   (scenario fields of every drop)
-     [--default-malloc]
+     [--default-malloc] [--ul-access dedicated|fdma_shared]   (a shared uplink: B^U = N x 1 MHz, the same spectrum)
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--no-compare", action="store_true", help="time this tree only")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a scenario field for every drop, e.g. dl_provisioning=expected (repeatable)")
+    ap.add_argument("--ul-access", choices=("dedicated", "fdma_shared"), default=None,
+                    help="the uplink: a dedicated band per device (default) or one shared band split by the plan")
     ap.add_argument("--default-malloc", action="store_true",
                     help="glibc's malloc defaults, not the freed-memory reuse that multispin sets")
     args = ap.parse_args()
@@ -87,6 +89,8 @@ def main() -> int:
         fields = {o.key: o.value for o in parse_set(args.set)}
     except OverrideError as exc:
         ap.error(str(exc))
+    if args.ul_access:
+        fields["ul_access"] = args.ul_access
     try:  # a bad field is named now, not as a traceback from the first drop
         Scenario.from_dict(dict(devices=draw_devices(DropSpec(), 2, (0, 0)), **fields))
     except (ScenarioError, TypeError) as exc:

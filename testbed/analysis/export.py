@@ -1,7 +1,8 @@
 """A flat table of a run's round records: one row per device per round (`multispin report RUN --csv`).
 
 rounds.jsonl is nested (round -> devices -> predicted / measured); analysis tools want one flat row per
-device and round. Columns, in this order: `run` (only when several runs are exported together), `round`,
+device and round. Columns, in this order: `run` (only when several runs are exported together), the run's
+own `policy`, `seed`, `tags` (';'-joined) and, for a campaign's run, `sweep_key` and `sweep_value`, then `round`,
 `device`, the device's schedule (`mode`, `draft_len`, powers), its outcome (`missed`, `n_accepted`, ...),
 `estimate_*`, `predicted_*` and `measured_*` (the device's, same names as in the record), the emulator's
 annotations `ul_channel_*` / `dl_channel_*`, then the round's own fields as `round_*` (`round_time_base`,
@@ -32,9 +33,23 @@ def _flat(prefix: str, obj: Any, out: dict) -> None:
         out[prefix] = obj
 
 
-def device_rows(records: list[dict], run: str | None = None) -> list[dict]:
-    """One flat row per device per round (a device that missed the round has no measured_* values). The
-    round's own fields follow as round_* (round_predicted_goodput_tps, round_time_base, ...)."""
+def run_context(meta: dict) -> dict:
+    """The run's own columns of every row, from its meta.json: `policy`, `seed`, `tags` (';'-joined), and
+    for a campaign's run `sweep_key` and `sweep_value` (the point)."""
+    prof = meta.get("profile") if isinstance(meta.get("profile"), dict) else {}
+    tags = meta.get("tags") if isinstance(meta.get("tags"), list) else []
+    out = {"policy": prof.get("policy"), "seed": prof.get("seed", meta.get("seed")),
+           "tags": ";".join(str(t) for t in tags)}
+    sweep = meta.get("sweep")
+    if isinstance(sweep, dict):
+        out["sweep_key"], out["sweep_value"] = sweep.get("key"), sweep.get("value")
+    return out
+
+
+def device_rows(records: list[dict], run: str | None = None, context: dict | None = None) -> list[dict]:
+    """One flat row per device per round (a device that missed the round has no measured_* values), after
+    `run` (several runs) and the run's `context` columns (`run_context`). The round's own fields follow as
+    round_* (round_predicted_goodput_tps, round_time_base, ...)."""
     rows = []
     for rec in records:
         round_part: dict = {}
@@ -43,6 +58,7 @@ def device_rows(records: list[dict], run: str | None = None) -> list[dict]:
                 _flat(f"round_{k}", v, round_part)
         for name, dev in (rec.get("devices") or {}).items():
             row: dict = {"run": run} if run is not None else {}
+            row.update(context or {})
             row["round"] = rec.get("round")
             row["device"] = name
             _flat("", dev, row)
@@ -51,15 +67,18 @@ def device_rows(records: list[dict], run: str | None = None) -> list[dict]:
     return rows
 
 
+_LEADING = ("run", "policy", "seed", "tags", "sweep_key", "sweep_value", "round", "device")
+
+
 def _rank(col: str) -> int:
-    if col in ("run", "round", "device"):
-        return ("run", "round", "device").index(col)
+    if col in _LEADING:
+        return _LEADING.index(col)
     if col.startswith("round_"):
-        return 20 if col.startswith("round_predicted_") else 21 if col.startswith("round_measured_") else 19
+        return 30 if col.startswith("round_predicted_") else 31 if col.startswith("round_measured_") else 29
     for g, prefix in enumerate(_DEVICE_PREFIXES):
         if col.startswith(prefix):
-            return 4 + g
-    return 3  # the device's own values: mode, draft_len, powers, missed, n_accepted, ...
+            return 11 + g
+    return 10  # the device's own values: mode, draft_len, powers, missed, n_accepted, ...
 
 
 def columns(rows: list[dict]) -> list[str]:

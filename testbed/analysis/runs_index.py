@@ -127,12 +127,18 @@ class RunInfo:
     rounds_planned: int | None = None
     measured_tps: float | None = None
     predicted_tps: float | None = None
+    overrides: list = field(default_factory=list)  # the flags that changed the profile (meta.json `overrides`)
+    tags: list = field(default_factory=list)        # --tag
+    note: str | None = None                         # --note
+    rerun_of: str | None = None                     # `multispin rerun`: the run it repeats
     summary: dict = field(default_factory=dict, repr=False)
+    settings: dict = field(default_factory=dict, repr=False)  # the resolved profile, flattened (`flat_settings`)
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["path"] = str(self.path)
         d.pop("summary")
+        d.pop("settings")
         return d
 
 
@@ -165,14 +171,71 @@ def run_info(path: str | Path, label: str | None = None, fresh: bool = False) ->
     if status == "running" and _alive(meta) is False:
         status = "died"  # meta.json still says running, but its process is gone (killed -9, power cut)
     measured, predicted = goodput_of(summary)
+    policy = summary.get("policy") or prof.get("policy")
+    channel = (prof["channel"].get("mode") if isinstance(prof.get("channel"), dict) else None) \
+        or summary.get("channel_mode")
+    settings = flat_settings(prof)
+    settings.setdefault("policy", policy)  # a run of an earlier release, or a meta.json without its profile
+    settings.setdefault("channel.mode", channel)
+    tags = meta.get("tags")
     return RunInfo(path=path, label=label or path.name, stamp=stamp, profile=prof.get("name"),
-                   policy=summary.get("policy") or prof.get("policy"),
-                   channel=(prof["channel"].get("mode") if isinstance(prof.get("channel"), dict) else None)
-                   or summary.get("channel_mode"),
-                   seed=prof.get("seed"), status=status,
+                   policy=policy, channel=channel, seed=prof.get("seed", meta.get("seed")), status=status,
                    reason=meta.get("reason") or summary.get("reason"), rounds=int(summary.get("rounds") or 0),
                    rounds_planned=prof.get("rounds"), measured_tps=measured, predicted_tps=predicted,
-                   summary=summary)
+                   overrides=[str(o) for o in meta.get("overrides") or []],
+                   tags=[str(t) for t in tags] if isinstance(tags, list) else [],
+                   note=meta.get("note"), rerun_of=meta.get("rerun_of"), summary=summary, settings=settings)
+
+
+def flat_settings(profile: dict, prefix: str = "") -> dict[str, Any]:
+    """A resolved profile as {dotted key: value}: mappings by key, a list of named entries (scenario.devices)
+    by name (scenario.devices.dev0.distance_m), other lists as one value."""
+    out: dict[str, Any] = {}
+    for k, v in (profile or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flat_settings(v, key + "."))
+        elif (isinstance(v, list) and v and all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in v)
+              and len({x["name"] for x in v}) == len(v)):
+            for x in v:
+                out.update(flat_settings({kk: vv for kk, vv in x.items() if kk != "name"}, f"{key}.{x['name']}."))
+            out[f"{key}.names"] = [x["name"] for x in v]
+        else:
+            out[key] = v
+    return out
+
+
+# Settings that do not separate runs: repeats differ in seed, and the profile's name is only a label.
+POOLED_ACROSS = ("seed", "name")
+_ABSENT = object()
+
+
+def differing_settings(infos: list[RunInfo]) -> list[str]:
+    """The settings (dotted keys) whose value is not the same in every run, the policy first, then in profile
+    order; a key one run lacks differs."""
+    keys = list(dict.fromkeys(["policy", *(k for i in infos for k in i.settings)]))
+    return [k for k in keys if len({_key_text(i.settings.get(k, _ABSENT)) for i in infos}) > 1]
+
+
+def _key_text(value) -> str:
+    return "\0absent" if value is _ABSENT else json.dumps(value, sort_keys=True, default=str)
+
+
+def settings_key(info: RunInfo, keys: list[str]) -> str:
+    """What pools runs: their values of `keys` but those in POOLED_ACROSS."""
+    return "|".join(_key_text(info.settings.get(k, _ABSENT)) for k in keys if k not in POOLED_ACROSS)
+
+
+def _shown(value) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return format(value, "g")
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"), default=str)
+    return str(value)
 
 
 def _utc_stamp(created: Any) -> str | None:
@@ -219,20 +282,30 @@ def format_runs_table(infos: list[RunInfo]) -> str:
     if not infos:
         return "no runs"
     head = (f"{'started (UTC)':<20}{'profile':<14}{'policy':<20}{'channel':<12}{'status':<12}{'rounds':>9}"
-            f"{'measured':>10}{'predicted':>11}{'meas/pred':>10}  run")
-    units = f"{'':<20}{'':<14}{'':<20}{'':<12}{'':<12}{'done/plan':>9}{'[tok/s]':>10}{'[tok/s]':>11}{'':>10}"
-    lines = [head, units]
+            f"{'measured':>10}{'predicted':>11}{'meas/pred':>10}{'seed':>7}  {'tags':<16}run")
+    units = (f"{'':<20}{'':<14}{'':<20}{'':<12}{'':<12}{'done/plan':>9}{'[tok/s]':>10}{'[tok/s]':>11}{'':>10}"
+             f"{'':>7}  {'':<16}")
+    lines = [head, units.rstrip()]
     notes = []
     for i in infos:
         ratio = i.measured_tps / i.predicted_tps if i.measured_tps and i.predicted_tps else None
         rounds = f"{i.rounds}/{i.rounds_planned if i.rounds_planned is not None else '?'}"
+        tags = ",".join(i.tags) or "-"
+        tags = tags if len(tags) <= 15 else tags[:12] + "..."
         lines.append(f"{i.stamp or '-':<20}{(i.profile or '-')[:13]:<14}{(i.policy or '-')[:19]:<20}"
                      f"{(i.channel or '-')[:11]:<12}{i.status[:11]:<12}{rounds:>9}{_num(i.measured_tps, '.2f'):>10}"
-                     f"{_num(i.predicted_tps, '.2f'):>11}{_num(ratio, '.3f'):>10}  {i.path}")
+                     f"{_num(i.predicted_tps, '.2f'):>11}{_num(ratio, '.3f'):>10}{_num(i.seed, 'd'):>7}  {tags:<16}"
+                     f"{i.path}")
+        more = ([f"overrides: {' '.join(i.overrides)}"] if i.overrides else []) \
+            + ([f"tags: {', '.join(i.tags)}"] if len(tags) < len(",".join(i.tags)) else []) \
+            + ([f"rerun of {i.rerun_of}"] if i.rerun_of else []) + ([f"note: {i.note}"] if i.note else [])
+        if more:
+            lines.append("    " + "; ".join(more))
         if i.status not in ("complete", "running") and (i.reason or i.status == "died"):
             notes.append(f"  {i.label}: {i.status}: {i.reason or 'its process is gone (meta.json says running)'}")
     lines.append("goodput: all tokens / all round time (goodput_run_tps); status: complete, running, incomplete, "
-                 "interrupted, failed, died (process gone), empty (no rounds)")
+                 "interrupted, failed, died (process gone), empty (no rounds); indented: the run's overrides "
+                 "(--set and flags), rerun_of and note")
     if notes:
         lines += ["not complete:"] + notes
     return "\n".join(lines)
@@ -306,6 +379,32 @@ def side_by_side(infos: list[RunInfo]) -> str:
     return "\n".join(lines)
 
 
+def format_settings_diff(infos: list[RunInfo]) -> str:
+    """The settings that differ between the runs (from their resolved profiles), runs as columns as in
+    `side_by_side`, and the group each run is pooled in (`aggregate`: equal settings but for the seed and
+    the profile's name)."""
+    keys = differing_settings(infos)
+    if not keys:
+        return "settings: the same in every run (their resolved profiles are equal)"
+    labels = _labels(infos)
+    groups: dict[str, int] = {}
+    member = [groups.setdefault(settings_key(i, keys), len(groups) + 1) for i in infos]
+    cells = [[_shown(i.settings.get(k, _ABSENT)) for i in infos] for k in keys]
+    width = max(12, *(len(x) + 2 for x in labels), *(min(len(c), 28) + 2 for row in cells for c in row))
+    name_w = max(len("group"), *(len(k) for k in keys)) + 2
+
+    def fit(text: str) -> str:
+        return text if len(text) <= width - 2 else text[:width - 5] + "..."
+
+    lines = [f"settings that differ ({len(keys)}; from each run's resolved profile):",
+             f"{'':<{name_w}}" + "".join(f"{x:>{width}}" for x in labels)]
+    lines += [f"{k:<{name_w}}" + "".join(f"{fit(c):>{width}}" for c in row) for k, row in zip(keys, cells)]
+    lines.append(f"{'group':<{name_w}}" + "".join(f"{g:>{width}}" for g in member))
+    lines.append(f"runs in one group are pooled below (equal settings but for {' and '.join(POOLED_ACROSS)}); "
+                 f"{len(groups)} group(s)")
+    return "\n".join(lines)
+
+
 # -- per policy: the spread over repeats --------------------------------------------------------------------
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -318,19 +417,26 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def aggregate(infos: list[RunInfo]) -> list[dict]:
-    """Per policy and channel mode, in first-seen order: runs, measured and predicted goodput as mean and
-    sample std (None for one run), and the runs' own values (for the plot's points). Runs of one policy in
-    different channel modes (real, virtual: times in different meanings) are rows of their own, never one
-    mean; `label` is the policy, with the mode in brackets when the rows mix modes."""
-    by: dict[tuple, list[RunInfo]] = {}
+    """Per group of runs with the same settings (their resolved profiles equal but for the seed and the
+    profile's name: the repeats of one policy), in first-seen order: runs, measured and predicted goodput as
+    mean and sample std (None for one run), and the runs' own values (for the plot's points). Runs whose
+    settings differ in anything else (the channel mode: times in different meanings; any --set) are rows of
+    their own, never one mean; `label` is the policy, with what else sets the row apart in brackets (the
+    channel mode alone as its value, other keys as key=value); `settings`: those values."""
+    keys = differing_settings(infos)
+    by: dict[str, list[RunInfo]] = {}
     for i in infos:
-        by.setdefault((i.policy or "?", i.channel), []).append(i)
-    mixed = len({mode for _, mode in by}) > 1
+        by.setdefault(settings_key(i, keys), []).append(i)
+    apart = [k for k in keys if k not in POOLED_ACROSS and k != "policy"]
     out = []
-    for (policy, mode), runs in by.items():
+    for runs in by.values():
+        policy, mode = runs[0].policy or "?", runs[0].channel
+        values = {k: runs[0].settings.get(k, _ABSENT) for k in apart}
+        extra = ", ".join(_shown(v) if k == "channel.mode" else f"{k}={_shown(v)}" for k, v in values.items())
         m_mean, m_std = _mean_std([r.measured_tps for r in runs])
         p_mean, p_std = _mean_std([r.predicted_tps for r in runs])
-        out.append({"policy": policy, "channel": mode, "label": f"{policy} [{mode or '?'}]" if mixed else policy,
+        out.append({"policy": policy, "channel": mode, "label": f"{policy} [{extra}]" if extra else policy,
+                    "settings": {k: (None if v is _ABSENT else v) for k, v in values.items()},
                     "runs": len(runs), "complete": sum(r.status == "complete" for r in runs),
                     "rounds": sum(r.rounds for r in runs),
                     "measured_mean_tps": m_mean, "measured_std_tps": m_std,

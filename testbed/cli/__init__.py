@@ -15,8 +15,8 @@ from testbed.runtime.errors import TestbedError
 
 # Order is the order `multispin --help` lists them.
 COMMAND_MODULES = [
-    "run", "plan", "simulate", "models", "edge", "device", "runs", "report", "compare", "campaign", "channel", "keys",
-    "plugins",
+    "run", "rerun", "plan", "simulate", "models", "edge", "device", "runs", "report", "compare", "campaign", "channel",
+    "keys", "plugins",
 ]
 
 
@@ -50,8 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def quiet_mode() -> None:
-    """--quiet: no progress bars (ours, tqdm's anywhere, the model loaders') and logging at WARNING. Set in
-    the environment before the heavy imports, so that child processes (devices, the emulator) inherit it."""
+    """--quiet: no progress bars (ours, tqdm's anywhere, the model loaders'), logging at WARNING, and no Python
+    warnings in this process (a library's RuntimeWarning or DeprecationWarning; `-v` shows them). Set in the
+    environment before the heavy imports, so that child processes (devices, the emulator) inherit it; their
+    output, warnings included, goes to the run's logs/ and never to the terminal."""
+    import warnings
+
+    warnings.simplefilter("ignore")
     os.environ["TQDM_DISABLE"] = "1"  # tqdm >= 4.66 reads its defaults from TQDM_* variables
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' "Loading weights" bar
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         args.more_runs += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # as given: meta.json's command line
     quiet = bool(getattr(args, "quiet", False)) and not args.verbose
     if quiet:
         quiet_mode()

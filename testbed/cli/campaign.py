@@ -8,7 +8,7 @@ import sys
 
 
 def register(subparsers) -> None:
-    from testbed.cli.run import add_profile_arguments
+    from testbed.cli.run import add_profile_arguments, add_tag_arguments
 
     p = subparsers.add_parser(
         "campaign", help="run the live testbed per sweep point x policy x repeat; CSV and goodput plot; resumable",
@@ -34,8 +34,10 @@ def register(subparsers) -> None:
                    help="campaign folder (default runs/<stamp>-campaign-<key>); an existing campaign folder with the "
                         "same settings is resumed")
     add_profile_arguments(p)  # --print-config: the campaign's base profile (before the sweep)
+    add_tag_arguments(p)
     p.add_argument("--no-plots", action="store_true", help="skip the per-run, per-point and campaign plots")
-    p.add_argument("--quiet", action="store_true", help="no progress bar; log warnings and errors only")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar or Python warnings; log warnings and errors only")
     p.set_defaults(handler=handle, policy=None)
 
 
@@ -47,7 +49,7 @@ def handle(args) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from testbed.cli import CliError
-    from testbed.cli.run import load, print_config
+    from testbed.cli.run import load, print_config, run_meta_from_args
     from testbed.run.campaign import open_campaign, parse_sweep, plan_campaign, run_campaign
     from testbed.run.config_override import policy_list
     from testbed.run.launcher import require_edge_extra, resolve_pair
@@ -66,6 +68,7 @@ def handle(args) -> int:
     require_edge_extra()  # before a folder is made
     out = Path(args.out) if args.out else new_run_dir("runs", f"campaign-{sweep.key.replace('.', '-')}")
     camp = camp.moved(out)
+    camp.meta = run_meta_from_args(args)
     done = open_campaign(camp)  # a folder of another campaign is refused here
     print(f"campaign folder: {out} ({len(sweep.values)} points x {len(policies)} policies x {args.repeats} "
           f"repeat(s) = {len(camp.runs)} runs" + (f", {done} complete already" if done else "") + ")", flush=True)

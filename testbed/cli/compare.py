@@ -7,7 +7,7 @@ from testbed.run.compare import policy_profile, run_name, run_policy, write_comp
 
 
 def register(subparsers) -> None:
-    from testbed.cli.run import add_profile_arguments
+    from testbed.cli.run import add_profile_arguments, add_tag_arguments
 
     p = subparsers.add_parser("compare", help="run the live testbed once (or R times) per policy and compare goodput",
                               description="Same prompts, seeds and channel realizations per policy (the channel "
@@ -27,14 +27,16 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="override the profile's seed (of the first repeat)")
     p.add_argument("--runs-dir", default="runs")
     add_profile_arguments(p)
+    add_tag_arguments(p)
     p.add_argument("--no-plots", action="store_true", help="skip the per-run and comparison plots")
-    p.add_argument("--quiet", action="store_true", help="no progress bars; log warnings and errors only")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars or Python warnings; log warnings and errors only")
     p.set_defaults(handler=handle, policy=None)
 
 
 def handle(args) -> int:
     from testbed.cli import CliError
-    from testbed.cli.run import load, print_config
+    from testbed.cli.run import load, print_config, run_meta_from_args
     from testbed.run.config_override import policy_list
     from testbed.run.launcher import require_edge_extra, resolve_pair
     from testbed.runtime.records import new_run_dir
@@ -58,8 +60,9 @@ def handle(args) -> int:
             run_dir = parent / run_name(policy, r, args.repeats)
             print(f"== {policy}" + (f", repeat {r + 1}/{args.repeats} (seed {profile.seed})" if args.repeats > 1
                                     else "") + f": {run_dir}", flush=True)
+            meta = run_meta_from_args(args, compare={"dir": str(parent), "policy": policy, "repeat": r})
             infos.append(run_policy(profile, run_dir, pair, progress=not args.quiet, plots=not args.no_plots,
-                                    title=f"{parent.name}/{run_dir.name}"))
+                                    title=f"{parent.name}/{run_dir.name}", meta=meta))
     _, text, paths = write_comparison(parent, policies, args.repeats, infos, plots=not args.no_plots)
     print(text)
     if paths:

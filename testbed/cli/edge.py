@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from testbed.cli.run import add_profile_arguments, add_resume_argument
+from testbed.cli.run import add_profile_arguments, add_resume_argument, add_tag_arguments
 
 
 def register(subparsers) -> None:
@@ -22,14 +22,24 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--runs-dir", default="runs")
     add_profile_arguments(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bars; log warnings and errors only")
+    add_tag_arguments(p)
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars or Python warnings; log warnings and errors only")
     add_resume_argument(p, "edge")
     p.set_defaults(handler=handle)
 
 
 def handle(args) -> int:
     from testbed.cli import CliError
-    from testbed.cli.run import check_exposed, device_wait_message, execute, load, print_config, resume_target
+    from testbed.cli.run import (
+        check_exposed,
+        device_wait_message,
+        execute,
+        load,
+        print_config,
+        resume_target,
+        run_meta_from_args,
+    )
     from testbed.run.launcher import require_edge_extra
     from testbed.runtime.records import new_run_dir
 
@@ -50,4 +60,5 @@ def handle(args) -> int:
         run_dir = new_run_dir(args.runs_dir, f"edge-{profile.policy}")
     print(f"edge at {bind}; " + device_wait_message(profile, bind)
           + (f"; resuming {run_dir} at round {resume.start_round}" if resume else ""), flush=True)
-    return execute(args, profile, run_dir, start_devices=False, bind=bind, resume=resume)
+    extra = {"resume": resume} if resume is not None else {"meta": run_meta_from_args(args)}
+    return execute(args, profile, run_dir, start_devices=False, bind=bind, **extra)

@@ -23,10 +23,30 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="override the profile's seed")
     p.add_argument("--runs-dir", default="runs", help="parent of the run directory (default: runs)")
     add_profile_arguments(p)
+    add_tag_arguments(p)
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
-    p.add_argument("--quiet", action="store_true", help="no progress bars; log warnings and errors only")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars or Python warnings; log warnings and errors only")
     add_resume_argument(p, "run")
     p.set_defaults(handler=handle)
+
+
+def add_tag_arguments(p) -> None:
+    """--tag T (repeatable) and --note TEXT: stored in each new run's meta.json, listed by `multispin runs`,
+    columns of the exports."""
+    p.add_argument("--tag", action="append", default=[], metavar="T",
+                   help="label the run (repeatable); stored in meta.json `tags`, shown by `multispin runs`, a column "
+                        "of report --csv/--parquet and of a campaign's results.csv")
+    p.add_argument("--note", default=None, metavar="TEXT", help="a free-text note stored in meta.json `note`")
+
+
+def run_meta_from_args(args, **more) -> dict:
+    """The meta.json fields of a new run from this command line (`testbed.run.live.run_meta`)."""
+    from testbed.run.live import run_meta
+
+    tags = [t.strip() for t in getattr(args, "tag", None) or [] if t.strip()]
+    return run_meta(argv=getattr(args, "argv", None), overrides=[o.flag for o in overrides_from_args(args)],
+                    tags=list(dict.fromkeys(tags)), note=getattr(args, "note", None), **more)
 
 
 def add_resume_argument(p, command: str) -> None:
@@ -95,7 +115,8 @@ def resume_target(args, profile_given: bool):
 
     changed = [name for name, given in (("PROFILE", profile_given), ("--set", args.set), ("--rounds", args.rounds),
                                         ("--policy", args.policy), ("--channel", args.channel),
-                                        ("--seed", args.seed)) if given]
+                                        ("--seed", args.seed), ("--tag", getattr(args, "tag", None)),
+                                        ("--note", getattr(args, "note", None))) if given]
     if changed:
         raise CliError(f"--resume continues with the run's own profile snapshot; drop {', '.join(changed)}")
     profile, resume = load_resume(args.resume)
@@ -121,7 +142,9 @@ def handle(args) -> int:
     if not (profile.start_devices and profile.deployment == "emulation"):
         # No device processes are started here: say what the run waits for, and where, before it waits.
         print(device_wait_message(profile, profile.endpoints.edge_bind), flush=True)
-    return execute(args, profile, run_dir, resume=resume)
+    if resume is not None:
+        return execute(args, profile, run_dir, resume=resume)
+    return execute(args, profile, run_dir, meta=run_meta_from_args(args))
 
 
 def check_exposed(profile, bind: str | None) -> None:

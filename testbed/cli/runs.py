@@ -15,6 +15,8 @@ def register(subparsers) -> None:
     p.add_argument("dir", nargs="?", default="runs", help="folder of run directories (default: runs)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
     p.add_argument("--last", type=int, default=None, metavar="N", help="only the N most recent runs")
+    p.add_argument("--tag", action="append", default=[], metavar="T",
+                   help="only runs tagged T (repeatable: runs with every tag given)")
     p.set_defaults(handler=handle)
 
 
@@ -26,6 +28,8 @@ def handle(args) -> int:
     if args.last is not None and args.last < 1:
         raise CliError(f"--last {args.last}: must be >= 1")
     infos = find_runs(args.dir)
+    if args.tag:
+        infos = [i for i in infos if set(args.tag) <= set(i.tags)]
     if args.last:
         infos = infos[-args.last:]
     if args.json:
@@ -59,6 +63,7 @@ def report_many(args) -> int:
     with --csv / --parquet, the flat export of the runs."""
     from testbed.analysis.runs_index import (
         aggregate,
+        differing_settings,
         expand_run_dirs,
         format_aggregate,
         is_group_dir,
@@ -74,12 +79,16 @@ def report_many(args) -> int:
     infos = [run_info(d, fresh=True) for d in dirs]
     rows = aggregate(infos)
     if args.json:
-        print(json_text({"runs": [{**i.as_dict(), "summary": i.summary} for i in infos], "per_policy": rows},
-                         indent=2))
+        differ = differing_settings(infos)
+        print(json_text({"runs": [{**i.as_dict(), "summary": i.summary,
+                                   "settings": {k: i.settings.get(k) for k in differ}} for i in infos],
+                         "settings_differ": differ, "per_policy": rows}, indent=2))
     else:
-        from testbed.analysis.runs_index import side_by_side
+        from testbed.analysis.runs_index import format_settings_diff, side_by_side
 
         print(side_by_side(infos))
+        print()
+        print(format_settings_diff(infos))
         print()
         print(format_aggregate(rows, reference=infos[0].policy if infos else None))
     group = Path(named[0]) if len(named) == 1 and is_group_dir(Path(named[0])) else None
@@ -93,15 +102,15 @@ def report_many(args) -> int:
 def _export(args, named: list[str], dirs: list[Path]) -> int:
     import sys
 
-    from testbed.analysis.export import device_rows, write_csv, write_parquet
+    from testbed.analysis.export import device_rows, run_context, write_csv, write_parquet
     from testbed.cli import CliError
     from testbed.runtime.records import load_run
 
     rows = []
     many = len(dirs) > 1
     for d in dirs:
-        _, records = load_run(d)
-        rows += device_rows(records, run=str(d) if many else None)
+        meta, records = load_run(d)
+        rows += device_rows(records, run=str(d) if many else None, context=run_context(meta))
     if not rows:
         raise CliError(f"{', '.join(named)}: no complete round recorded; nothing to export")
     # One folder named (a run, or a compare directory): the file goes into it; several: PATH is needed.

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from testbed.core import power as dlpower
-from testbed.core import radio
+from testbed.core import radio, uplink
 from testbed.core.scenario import Scenario
 from testbed.core.vocabulary import DL, MODES, REL_TOL, UL
 
@@ -174,6 +174,12 @@ class DeviceTables:
     p_ul_dl: np.ndarray
     t_ver_per_pos: float
     constants: dict = field(default_factory=dict)
+    # the shared uplink's inputs (ul_access fdma_shared): first-upload bits per mode, a_k = P^max_k g_k / N_0,
+    # and the fixed UL rates (NaN: none)
+    bits_ul: np.ndarray | None = None
+    bits_dl: np.ndarray | None = None
+    snr_hz: np.ndarray | None = None
+    fixed_ul: np.ndarray | None = None
 
 
 def _ul_phase(sc, ul_mode, L, acc, gains, bws, pmax, budgets, t, ul_powers=None, provisioned=True, fixed=None):
@@ -195,15 +201,17 @@ def _ul_phase(sc, ul_mode, L, acc, gains, bws, pmax, budgets, t, ul_powers=None,
     return p, r, first, post, L * t + tx, post_time, tx
 
 
-def device_tables(sc: Scenario) -> DeviceTables:
+def device_tables(sc: Scenario, ul_bandwidths=None) -> DeviceTables:
     """Per-device quantities for every L in 1..L_max (arrays (N, L_max)), from the same formulas as `evaluate`: the
-    optimizer's lookup tables."""
+    optimizer's lookup tables. `ul_bandwidths`: each device's UL band (default `Scenario.ul_bandwidths_hz`; on a
+    shared uplink the equal share, or a split the caller plans with)."""
     n, lmax = sc.num_devices, sc.max_draft_len
     L = np.broadcast_to(np.arange(1, lmax + 1, dtype=float), (n, lmax))
     col = lambda v: np.asarray(v, float)[:, None]
     acc, g = col(sc.device_array("acceptance")), col(sc.gains_linear())
     t, pmax = col(sc.device_array("draft_time_s")), col(sc.device_array("max_power_w"))
-    bws, budgets, fixed = col(sc.ul_bandwidths_hz()), col(sc.energy_budgets_j()), col(sc.fixed_rates_bps("ul"))
+    bws = col(sc.ul_bandwidths_hz() if ul_bandwidths is None else ul_bandwidths)
+    budgets, fixed = col(sc.energy_budgets_j()), col(sc.fixed_rates_bps("ul"))
     p_u, _, _, _, up_u, post_u, _ = _ul_phase(sc, True, L, acc, g, bws, pmax, budgets, t, fixed=fixed)
     p_d, _, _, _, up_d, _, _ = _ul_phase(sc, False, L, acc, g, bws, pmax, budgets, t, fixed=fixed)
     return DeviceTables(
@@ -212,7 +220,24 @@ def device_tables(sc: Scenario) -> DeviceTables:
         up_ul=up_u, up_dl=up_d, post_ul=post_u, dl_bits=dl_bits_dl_mode(sc, acc, L) * np.ones_like(L),
         p_ul_ul=p_u, p_ul_dl=p_d, t_ver_per_pos=sc.verify_t1_s,
         constants=dict(noise=sc.noise_psd_w_hz, bd=sc.downlink_bandwidth_hz, ps=sc.downlink_power_w),
+        bits_ul=ul_first_bits(sc, True, L), bits_dl=ul_first_bits(sc, False, L),
+        snr_hz=pmax[:, 0] * g[:, 0] / sc.noise_psd_w_hz, fixed_ul=fixed[:, 0],
     )
+
+
+# ---------------------------------------------------------------- the shared uplink (ul_access fdma_shared)
+
+def shared_ul_split(sc: Scenario, bits, draft_s, snr_hz, fixed_ul=None):
+    """The min-max split of the shared uplink (`testbed.core.uplink.split`) for first-upload bits and drafting
+    times (..., N): (bands, uplink phase U). A device with a fixed UL rate keeps b_min; its air time is S / r."""
+    bits = np.asarray(bits, float)
+    before = np.asarray(draft_s, float)
+    if fixed_ul is not None and np.isfinite(fixed_ul).any():
+        is_fixed = np.isfinite(fixed_ul)
+        with np.errstate(invalid="ignore"):
+            before = before + np.where(is_fixed, bits / np.where(is_fixed, fixed_ul, 1.0), 0.0)
+        bits = np.where(is_fixed, 0.0, bits)
+    return uplink.split(bits, before, snr_hz, sc.ul_total_bandwidth_hz(), sc.ul_min_band_hz())
 
 
 # ---------------------------------------------------------------- the downlink phase
@@ -311,6 +336,7 @@ class Evaluation:
     round_time_s: float
     goodput_tps: float
     dl_bandwidth_per_device_hz: float
+    ul_bandwidth_hz: np.ndarray | None = None  # each device's UL band: its own, or its share of a shared uplink
 
     @property
     def num_ul_devices(self) -> int:
@@ -345,9 +371,10 @@ def _check_lengths(sc: Scenario, draft_lens) -> np.ndarray:
     return L.astype(float)
 
 
-def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None) -> Evaluation:
+def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None, ul_bandwidths=None) -> Evaluation:
     """Predict one round for a schedule. ul_powers default: P^max (or the energy-budget power);
-    dl_powers (one per device, only DL-mode entries used) default: the optimal split for the DL set."""
+    dl_powers (one per device, only DL-mode entries used) default: the optimal split for the DL set;
+    ul_bandwidths (ul_access fdma_shared only) default: the min-max split of the shared uplink."""
     n = sc.num_devices
     ul_mode = parse_modes(modes, n)
     L = _check_lengths(sc, draft_lens)
@@ -359,6 +386,10 @@ def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None) ->
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"ul_powers[{i}]: {ul_powers[i]} is not allowed: must be in [0, {pmax[i]}] W")
+    if sc.ul_access == "fdma_shared":
+        bws = _shared_bands(sc, ul_mode, L, t, g, pmax, ul_powers, ul_bandwidths)
+    elif ul_bandwidths is not None:
+        raise ValueError("ul_bandwidths: only with ul_access 'fdma_shared' (a dedicated band is the device's own)")
     p_ul, r_ul, first, post, up, post_time, tx = _ul_phase(
         sc, ul_mode, L, acc, g, bws, pmax, budgets, t, ul_powers, fixed=sc.fixed_rates_bps("ul"))
     dl_idx = np.flatnonzero(~ul_mode)
@@ -394,7 +425,26 @@ def evaluate(sc: Scenario, modes, draft_lens, ul_powers=None, dl_powers=None) ->
         phases={"uplink": up_phase, "verify": t_ver, "downlink": down_phase},
         round_time_s=T if sc.rounds == "synchronous" else float(device_T.max()),
         goodput_tps=float(per.sum()), dl_bandwidth_per_device_hz=dl_bandwidth_per_device(sc, dl_idx.size),
+        ul_bandwidth_hz=np.asarray(bws, float),
     )
+
+
+def _shared_bands(sc: Scenario, ul_mode, L, t, g, pmax, ul_powers, given):
+    """The UL bands of one schedule on a shared uplink: the given ones (checked: each >= b_min, sum <= B^U), else
+    the min-max split."""
+    total, least = sc.ul_total_bandwidth_hz(), sc.ul_min_band_hz()
+    if given is not None:
+        b = np.asarray(given, float)
+        if b.shape != (sc.num_devices,) or not np.all(np.isfinite(b)):
+            raise ValueError(f"ul_bandwidths: {b.size} values for {sc.num_devices} devices, each finite")
+        if np.any(b < least * (1 - REL_TOL)) or b.sum() > total * (1 + REL_TOL):
+            raise ValueError(f"ul_bandwidths: each must be >= {least:.6g} Hz (ul_min_share) and they must sum to at "
+                             f"most uplink_total_bandwidth_hz = {total:.6g} Hz (got min {b.min():.6g}, "
+                             f"sum {b.sum():.6g})")
+        return b
+    p = pmax if ul_powers is None else ul_powers
+    bits = ul_first_bits(sc, ul_mode, L)
+    return shared_ul_split(sc, bits, L * t, p * g / sc.noise_psd_w_hz, sc.fixed_rates_bps("ul"))[0]
 
 
 # ---------------------------------------------------------------- one realized round (Monte Carlo)

@@ -35,9 +35,10 @@ from testbed.core.policy import (  # OptimizerError lives there: PolicyError is 
     RoundContext,
     RoundOutcome,
     check_decision,
+    checked_ul_bandwidths,
     policy_name,
 )
-from testbed.core.power import LN2, solve_x
+from testbed.core.power import LN2, log1p_ratio, solve_x
 from testbed.core.scenario import Scenario
 from testbed.core.vocabulary import DL, MODES, REL_TOL, UL, within
 
@@ -50,8 +51,12 @@ POLICIES = {
     "random-modes": "modes drawn at random (seeded), greedy lengths with fill, optimal DL power",
     "common-length": "one draft length for all (best of 1..L_max), prefix modes, optimal DL power",
     "fixed-length": "one fixed draft length (default 4), prefix modes, optimal DL power",
+    "multispin-homogeneous": "Multi-SPIN, homogeneous: every device UL, one common length, min-max UL band split",
+    "multispin-heterogeneous": "Multi-SPIN, heterogeneous: every device UL, greedy per-device lengths, each "
+                               "candidate with its min-max UL band split",
     "exhaustive": "all 2^N mode vectors x all L_max^N lengths (tiny N only): the optimality check",
 }
+_HET_START_MAX_N = 64  # proposed on a shared uplink starts from multispin-heterogeneous up to this many devices
 EXHAUSTIVE_LIMIT = 2_000_000
 _REL_GAIN = 1e-12  # a greedy step must improve goodput by more than this (relative) to be taken
 
@@ -81,9 +86,10 @@ class Scorer:
     integers (their global ranks) instead of an argsort of floats, and every sorted quantity is one
     gather by rank."""
 
-    def __init__(self, sc: Scenario):
+    def __init__(self, sc: Scenario, ul_bandwidths=None):
         self.sc = sc
-        self.tb = tb = model.device_tables(sc)
+        self.tb = tb = model.device_tables(sc, ul_bandwidths)
+        self.shared = sc.ul_access == "fdma_shared"
         self.n = n = sc.num_devices
         self.lmax = lmax = sc.max_draft_len
         self.inv_g = 1.0 / tb.dl_gains  # DL only: the UL is in the tables
@@ -155,8 +161,27 @@ class Scorer:
         return (E / Tk).sum(-1)
 
     # -- fixed modes
-    def fixed(self, L, ul, equal_power: bool = False, floor: float | None = None):
-        """Goodput for given modes ul (C, N) bool; returns (G, T).
+    def exact(self, L, ul, equal_power: bool = False):
+        """`fixed` with the scenario's uplink: dedicated bands as tabulated; a shared uplink split anew for each
+        row (min-max, `model.shared_ul_split`) whatever bands the tables hold. Returns (G, T, bands or None)."""
+        if not self.shared:
+            return (*self.fixed(L, ul, equal_power=equal_power), None)
+        L = np.asarray(L)
+        ul = np.asarray(ul, bool)
+        tb = self.tb
+        idx = self._index(L)
+        bits = np.where(ul, tb.bits_ul.ravel()[idx], tb.bits_dl.ravel()[idx])
+        draft = tb.draft_s.ravel()[idx]
+        bands, _ = model.shared_ul_split(self.sc, bits, draft, tb.snr_hz, tb.fixed_ul)
+        fixed = np.isfinite(tb.fixed_ul)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rate = np.where(fixed, tb.fixed_ul, radio.shannon_rate_bps(bands, tb.snr_hz * self.n0, 1.0, self.n0))
+            up = draft + bits / rate
+        return (*self.fixed(L, ul, equal_power=equal_power, up=up), bands)
+
+    def fixed(self, L, ul, equal_power: bool = False, floor: float | None = None, up=None):
+        """Goodput for given modes ul (C, N) bool; returns (G, T). `up`: each device's uplink phase (C, N)
+        instead of the tables' (a shared uplink's split, `exact`).
 
         floor (synchronous rounds): rows whose goodput provably stays below it are not solved exactly and
         get G = -inf and a lower bound of T (channel inversion with the 1/g-weighted mean payload bounds
@@ -169,7 +194,7 @@ class Scorer:
         dl = ~ul
         nd = dl.sum(-1)
         E, S = f["E"][idx], f["S"][idx]
-        up_k = np.where(ul, f["up_u"][idx], f["up_d"][idx])
+        up_k = np.where(ul, f["up_u"][idx], f["up_d"][idx]) if up is None else up
         t_ver = model.verify_time(sc, L)
         w = self._bandwidth(nd)
         own = None
@@ -188,7 +213,7 @@ class Scorer:
             if floor is not None and self.sync and self.nv > 1:
                 wsum = wts.sum(-1)
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    tau = np.where(nd > 0, (wts * S).sum(-1) / wsum / (w * np.log1p(R / wsum) / LN2), 0.0)
+                    tau = np.where(nd > 0, (wts * S).sum(-1) / wsum / (w * log1p_ratio(R, wsum) / LN2), 0.0)
                 T_lo = (up_k.max(-1) + t_ver + np.where(ul, f["post_u"][idx], tau[:, None]).max(-1)
                         + self.t_over)
                 hopeless = E.sum(-1) / T_lo * (1 + REL_TOL) < floor
@@ -322,7 +347,7 @@ class Scorer:
         last = self.nd > 0
         with np.errstate(divide="ignore", invalid="ignore"):
             # W log2(1 + R / sum 1/g): the rate per payload bit of channel inversion
-            rate_per_bit = self.w * (np.log1p(self.R / suf_inv) / LN2)
+            rate_per_bit = self.w * (log1p_ratio(self.R, suf_inv) / LN2)
             if self.nv == 1:
                 return np.where(last, self.values[0] / rate_per_bit, 0.0), None
             s_mean = self._suffix_sum(br["inv_gS"][r]) / suf_inv
@@ -357,7 +382,7 @@ class Scorer:
         """max over the DL set (mask) of S_j / (W log2(1 + R / (1/g_j))): each device's DL time with the whole
         power, a lower bound of the set's DL phase that is tight when one device dominates it."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            per_bit = self.w[K][:, None] * (np.log1p(self.R[K][:, None] / inv_g) / LN2)
+            per_bit = self.w[K][:, None] * (log1p_ratio(self.R[K][:, None], inv_g) / LN2)
             return np.where(mask, s / per_bit, 0.0).max(axis=1, initial=0.0)
 
     # -- the greedy's candidates: single increments of one schedule, evaluated incrementally
@@ -405,7 +430,7 @@ class Scorer:
         else:
             b["SV"] = self._suffix_sum(b["inv_g"][None])[0]
             with np.errstate(divide="ignore", invalid="ignore"):
-                b["RPB"] = self.w * (np.log1p(self.R / b["SV"]) / LN2)
+                b["RPB"] = self.w * (log1p_ratio(self.R, b["SV"]) / LN2)
                 if self.nv == 1:
                     lo = hi = np.where(self.nd > 0, self.values[0] / b["RPB"], 0.0)
                 else:
@@ -465,7 +490,7 @@ class Scorer:
             return T, T, parts
         vk = self.inv_g[cand["k"][c]]
         with np.errstate(divide="ignore", invalid="ignore"):
-            rpb = np.where(B, self.w[K] * (np.log1p(self.R[K] / (b["SV"][K1] + vk)) / LN2), b["RPB"][K])
+            rpb = np.where(B, self.w[K] * (log1p_ratio(self.R[K], b["SV"][K1] + vk) / LN2), b["RPB"][K])
             if self.nv == 1:
                 tau = np.where(last, self.values[0] / rpb, 0.0)
                 T = base_T + np.maximum(pre_post, tau)
@@ -696,7 +721,7 @@ class Scorer:
                     down = np.full(ks.size, 1.0 / (w * x_base))
                     if not exact and c.size > 1:
                         wsum = wts.sum()
-                        per_bit = w * np.log1p(R / wsum) / LN2
+                        per_bit = w * log1p_ratio(R, wsum) / LN2
                         mean = ((wts * S0).sum() + wts[ks[c]] * (S_new[c] - S0[ks[c]])) / wsum
                         lo, hi = down.copy(), down.copy()
                         lo[c] = np.maximum(down[c], mean / per_bit)
@@ -892,6 +917,7 @@ class DevicePlan:
     dl_rate_bps: float
     ul_bits: float
     dl_bits: float
+    ul_bandwidth_hz: float  # the device's UL band: its own, or its share of a shared uplink (ul_access)
 
 
 @dataclass
@@ -930,6 +956,7 @@ class Plan:
             draft_s=float(ev.draft_s[k]), tx_s=float(ev.tx_s[k]),
             ul_rate_bps=float(ev.ul_rate_bps[k]), dl_rate_bps=float(ev.dl_rate_bps[k]),
             ul_bits=float(ev.ul_bits[k]), dl_bits=float(ev.dl_bits[k]),
+            ul_bandwidth_hz=float(ev.ul_bandwidth_hz[k]),
         ) for k, name in enumerate(ev.names)]
 
     def to_dict(self) -> dict:
@@ -956,7 +983,7 @@ def exhaustive_modes(sc: Scenario, draft_lens, scorer: Scorer | None = None):
         raise OptimizerError(f"exhaustive mode search over 2^{n} vectors exceeds {EXHAUSTIVE_LIMIT:.0e}")
     ul = ((np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1).astype(bool)
     L = np.repeat(np.asarray(draft_lens, int)[None], ul.shape[0], axis=0)
-    G, T, = s.fixed(L, ul)
+    G = s.exact(L, ul)[0]
     i = int(np.argmax(G))
     return ul[i], float(G[i])
 
@@ -976,7 +1003,7 @@ def _exhaustive(sc: Scenario, s: Scorer, limit: int):
         Lb = lens[start:start + chunk]
         L = np.repeat(Lb, ul_all.shape[0], axis=0)
         ul = np.tile(ul_all, (Lb.shape[0], 1))
-        G, _ = s.fixed(L, ul)
+        G = s.exact(L, ul)[0]  # a shared uplink: the min-max split of every row
         i = int(np.argmax(G))
         if G[i] > best[0] or best[1] is None:
             best = (G[i], L[i].copy(), ul[i].copy())
@@ -1030,6 +1057,133 @@ def _multistart(s: Scorer, fixed_scorer) -> np.ndarray:
     return greedy(s, s.prefix, fill=True, start=starts[best])
 
 
+class SharedModes:
+    """A greedy scorer with fixed modes on a shared uplink: every row scored with its own min-max band split
+    (`Scorer.exact`); on dedicated bands it is `FixedModes`. score(L) -> (G, T, ul)."""
+
+    def __init__(self, scorer: Scorer, ul):
+        self.scorer, self.ul = scorer, np.asarray(ul, bool)
+
+    def __call__(self, L, floor: float | None = None):
+        """Score draft-length vectors L (one per row) with the fixed modes, each row split anew: (G, T, ul)."""
+        ul = np.broadcast_to(self.ul, np.shape(L))
+        G, T, _ = self.scorer.exact(L, ul)
+        return G, T, ul
+
+
+_ALL_MODES_MAX_N = 8  # proposed on a shared uplink polishes with every mode vector per candidate up to this N
+
+
+class SharedAllModes:
+    """Greedy scorer on a shared uplink for small N: each row gets the best of all 2^N mode vectors, each
+    scored with its own band split. score(L) -> (G, T, ul)."""
+
+    def __init__(self, scorer: Scorer):
+        n = scorer.n
+        self.scorer = scorer
+        self.modes = ((np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1).astype(bool)
+
+    def __call__(self, L, floor: float | None = None):
+        """Score draft-length vectors L (one per row), each with its best mode vector: (G, T, ul)."""
+        L = np.asarray(L)
+        C, m = L.shape[0], self.modes.shape[0]
+        G, T, _ = self.scorer.exact(np.repeat(L, m, axis=0), np.tile(self.modes, (C, 1)))
+        G, T = G.reshape(C, m), T.reshape(C, m)
+        best = np.argmax(G, axis=1)
+        rows = np.arange(C)
+        return G[rows, best], T[rows, best], self.modes[best]
+
+
+def _local_search(score, L, ul, g, lmax: int):
+    """Steepest ascent over the moves L +- e_k (up to 6 devices: every L + d, d in {-1, 0, 1}^N), each row with
+    `score`'s modes, until none gains."""
+    n = L.size
+    if 6 ** n <= 50_000:  # every move in {-1, 0, 1}^N (x 2^N mode vectors per row)
+        moves = np.array(list(itertools.product((-1, 0, 1), repeat=n)), int)
+        moves = moves[np.any(moves != 0, axis=1)]
+    else:
+        moves = np.vstack([np.eye(n, dtype=int), -np.eye(n, dtype=int)])
+    while True:
+        Lc = L[None] + moves
+        Lc = Lc[np.all((Lc >= 1) & (Lc <= lmax), axis=1)]
+        if Lc.shape[0] == 0:
+            return L, ul
+        G, _, uls = score(Lc)
+        i = int(np.argmax(G))
+        if not G[i] > g * (1 + _REL_GAIN):
+            return L, ul
+        L, ul, g = Lc[i], uls[i], G[i]
+
+
+def _multispin_homogeneous(s: Scorer):
+    """Every device UL with one common length: each L of 1..L_max scored with its band split, the best kept."""
+    n, lmax = s.n, s.lmax
+    Lc = np.repeat(np.arange(1, lmax + 1)[:, None], n, axis=1)
+    G = s.exact(Lc, np.ones(Lc.shape, bool))[0]
+    return Lc[int(np.argmax(G))], np.ones(n, bool)
+
+
+def _multispin_heterogeneous(s: Scorer):
+    """Every device UL, per-device lengths: greedy with fill, each candidate scored with its own band split."""
+    ul = np.ones(s.n, bool)
+    score = SharedModes(s, ul) if s.shared else FixedModes(s, ul)
+    return greedy(s, score, fill=True), ul
+
+
+def _proposed_shared(sc: Scenario, s_eq: Scorer, fixed_length: int):
+    """`proposed` on a shared uplink: modes, lengths, DL powers and UL bands together.
+
+    (1) Alternating: plan modes and lengths with the dedicated-band machinery (`_multistart`, prefix modes) on the
+    current bands (first the equal share B/N), split the band optimally for that schedule, and plan again on those
+    bands while the goodput with the split improves (at most 3 rounds). (2) The schedules of the baselines that
+    plan on the equal share (all-UL, all-DL, every common length with prefix modes or all UL: common-length,
+    fixed-length, multispin-homogeneous) and, up to `_HET_START_MAX_N` devices, multispin-heterogeneous. Every
+    candidate is scored with its own split; the best is polished by greedy with fill on exact scoring (modes fixed
+    to its own, then the prefix modes on its bands). Never below those baselines (each is a candidate)."""
+    n, lmax = s_eq.n, s_eq.lmax
+    cands: list[tuple[np.ndarray, np.ndarray]] = []
+    s, best_g = s_eq, -np.inf
+    for _ in range(3):
+        L = _multistart(s, lambda ul, s=s: FixedModes(s, ul))
+        ul = s.prefix(L[None])[2][0]
+        cands.append((L, ul))
+        G, _, bands = s_eq.exact(L[None], ul[None])
+        if not G[0] > best_g * (1 + _REL_GAIN):
+            break
+        best_g = G[0]
+        s = Scorer(sc, ul_bandwidths=bands[0])
+    for ul in (np.ones(n, bool), np.zeros(n, bool)):
+        cands.append((greedy(s_eq, FixedModes(s_eq, ul), fill=True), ul))
+    Lc = np.repeat(np.arange(1, lmax + 1)[:, None], n, axis=1)
+    ulc = s_eq.prefix(Lc)[2]
+    cands += [(Lc[i], ulc[i]) for i in range(lmax)] + [(Lc[i], np.ones(n, bool)) for i in range(lmax)]
+    if n <= _HET_START_MAX_N:
+        cands.append(_multispin_heterogeneous(s_eq))
+    Ls = np.array([c[0] for c in cands])
+    uls = np.array([c[1] for c in cands])
+    G, _, bands = s_eq.exact(Ls, uls)
+    i = int(np.argmax(G))
+    L, ul, g = Ls[i], uls[i], G[i]
+    if n <= _ALL_MODES_MAX_N:  # polish: every mode vector per row, greedy from ones and from the best, then +-1
+        score = SharedAllModes(s_eq)
+        for start in (None, L):
+            L2 = greedy(s_eq, score, fill=True, start=start)
+            G2, _, ul2 = score(L2[None])
+            if G2[0] > g:
+                L, ul, g = L2, ul2[0], G2[0]
+        return _local_search(score, L, ul, g, lmax)
+    # polish: greedy on exact scoring (O(N^2) a step: up to 64 devices), modes fixed; then modes by prefix on the
+    # bands of the result
+    L2 = greedy(s_eq, SharedModes(s_eq, ul), fill=True, start=L) if n <= _HET_START_MAX_N else L
+    s_b = Scorer(sc, ul_bandwidths=s_eq.exact(L2[None], ul[None])[2][0])
+    ul2 = s_b.prefix(L2[None])[2][0]
+    G2 = s_eq.exact(np.array([L2, L2]), np.array([ul, ul2]))[0]
+    j = int(np.argmax(G2))
+    if G2[j] > g:
+        L, ul = L2, (ul, ul2)[j]
+    return L, ul
+
+
 class BuiltinPolicy:
     """A built-in policy (`POLICIES`) as an implementation of the `Policy` protocol (testbed.core.policy)."""
 
@@ -1052,7 +1206,13 @@ class BuiltinPolicy:
         def fixed_scorer(ul_vec, equal=False):
             return FixedModes(s, ul_vec, equal)
 
-        if policy in ("proposed", "proposed-basic"):
+        if policy == "proposed" and s.shared:
+            L, ul = _proposed_shared(sc, s, fixed_length)
+        elif policy == "multispin-homogeneous":
+            L, ul = _multispin_homogeneous(s)
+        elif policy == "multispin-heterogeneous":
+            L, ul = _multispin_heterogeneous(s)
+        elif policy in ("proposed", "proposed-basic"):
             if policy == "proposed":
                 L = _multistart(s, fixed_scorer)
             else:
@@ -1119,7 +1279,8 @@ def plan(sc: Scenario, policy: str | Policy = "proposed", *, fixed_length: int =
         except Exception as exc:  # a plug-in's bug must cost one round (the caller falls back), not the run
             raise PolicyError(f"policy {name}: decide() raised {type(exc).__name__}: {exc}") from exc
     ul, L, ul_powers, dl_powers = check_decision(sc, decision, name)
-    ev = model.evaluate(sc, ul, L, ul_powers=ul_powers, dl_powers=dl_powers)
+    ul_bands = checked_ul_bandwidths(sc, decision, name)
+    ev = model.evaluate(sc, ul, L, ul_powers=ul_powers, dl_powers=dl_powers, ul_bandwidths=ul_bands)
     if not (np.isfinite(ev.round_time_s) and np.isfinite(ev.goodput_tps) and ev.goodput_tps > 0):
         raise InfeasiblePlanError(_infeasible_message(sc, name, ev))
     return Plan(policy=name, scenario=sc, evaluation=ev, info=dict(decision.info))

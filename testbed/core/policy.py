@@ -75,6 +75,8 @@ class Decision:
     device's P^max (or the power its energy budget allows); else one power per device in [0, P^max] W.
     dl_powers_w: None = the optimal split of downlink_power_w among the DL-mode devices; else one power per
     device (UL-mode entries ignored) summing to at most downlink_power_w over the DL-mode devices.
+    ul_bandwidths_hz: only with `ul_access: fdma_shared`; None = the min-max split of the shared uplink for this
+    schedule; else one band per device, each >= the scenario's least share, summing to at most the total.
     info: JSON-ready extras recorded with the plan."""
 
     modes: Sequence
@@ -82,6 +84,7 @@ class Decision:
     ul_powers_w: Sequence | None = None
     dl_powers_w: Sequence | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
+    ul_bandwidths_hz: Sequence | None = None
 
 
 @runtime_checkable
@@ -151,6 +154,28 @@ def check_decision(sc: Scenario, decision: Any, who: str) -> tuple[np.ndarray, n
             raise PolicyError(f"policy {who}: dl_powers_w[{i}] ({sc.devices[i].name}) = {dl_p[i]} W is not allowed "
                               f"for a DL-mode device: must be > 0 W")
     return ul_mask, L, ul_p, dl_p
+
+
+def checked_ul_bandwidths(sc: Scenario, decision: Decision, who: str) -> np.ndarray | None:
+    """A decision's UL bands (ul_access fdma_shared), checked, or None (the min-max split); a PolicyError names
+    the rule."""
+    if getattr(decision, "ul_bandwidths_hz", None) is None:
+        return None
+    if sc.ul_access != "fdma_shared":
+        raise PolicyError(f"policy {who}: ul_bandwidths_hz is only allowed with ul_access 'fdma_shared' (this "
+                          f"scenario's uplink is dedicated)")
+    vals = decision.ul_bandwidths_hz
+    if isinstance(vals, (str, bytes)) or not hasattr(vals, "__len__") or len(vals) != sc.num_devices:
+        raise PolicyError(f"policy {who}: ul_bandwidths_hz must have one entry per device ({sc.num_devices})")
+    b = _powers(who, "ul_bandwidths_hz", list(vals), sc)
+    least, total = sc.ul_min_band_hz(), sc.ul_total_bandwidth_hz()
+    for i in np.flatnonzero(~within(least, b)):
+        raise PolicyError(f"policy {who}: ul_bandwidths_hz[{i}] ({sc.devices[i].name}) = {b[i]} Hz is not allowed: "
+                          f"must be >= {least:.6g} Hz (ul_min_share x uplink_total_bandwidth_hz / N)")
+    if not within(float(b.sum()), total):
+        raise PolicyError(f"policy {who}: ul_bandwidths_hz sum to {b.sum():.6g} Hz, more than "
+                          f"uplink_total_bandwidth_hz = {total:.6g} Hz")
+    return b
 
 
 def _powers(who: str, name: str, values: list, sc: Scenario) -> np.ndarray:

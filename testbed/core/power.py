@@ -84,6 +84,19 @@ def _h_step(x, a, w, wa, wr, r, active, big):
     return d, step
 
 
+def log1p_ratio(r, w):
+    """ln(1 + r / w) for r >= 0, w > 0, finite where r / w overflows: a gain near the optimizer's cap (1e300,
+    the equivalent gain of a fixed DL rate far above what the band carries, such as a measured loopback link)
+    makes a sum of 1/g tiny. Where r / w is finite, exactly np.log1p(r / w)."""
+    r, w = np.asarray(r, dtype=float), np.asarray(w, dtype=float)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        ratio = r / w
+        big = np.isinf(ratio) & np.isfinite(r) & (w > 0)
+        if not big.any():
+            return np.log1p(ratio)
+        return np.where(big, np.logaddexp(0.0, np.log(r) - np.log(w)), np.log1p(ratio))
+
+
 def solve_x(weights, payload_bits, target, iters: int = 100, rtol: float = 2.5e-16, x0=None):
     """Vectorised root of F(x) = sum_v w_v (2^(u_v x) - 1) = R over the last axis.
 
@@ -107,7 +120,7 @@ def solve_x(weights, payload_bits, target, iters: int = 100, rtol: float = 2.5e-
     a = u * LN2
     wa = w * a
     with np.errstate(divide="ignore", invalid="ignore"):
-        base = np.log1p(r_s / wsum_s)  # ln(1 + R / sum w); x = base / (u ln 2) for equal payloads u
+        base = log1p_ratio(r_s, wsum_s)  # ln(1 + R / sum w); x = base / (u ln 2) for equal payloads u
         lo = np.where(ok, base / np.where(active, a, 0.0).max(-1), 0.0)
         # Jensen: F(x) >= sum w (2^(u_mean x) - 1), so the root is at most base / (u_mean ln 2)
         x = np.where(ok, base * wsum_s / wa.sum(-1), 0.0)

@@ -110,6 +110,12 @@ class Scenario(_Strict):
     verify_batch: Literal["ragged", "padded"] = "ragged"
     dl_access: Literal["fdma_equal_split", "fdma_fixed_split", "tdma"] = "fdma_equal_split"
     rounds: Literal["synchronous", "asynchronous"] = "synchronous"
+    # The uplink (docs/system-model.md, section 4): a dedicated band per device (uplink_bandwidth_hz each), or
+    # one band of uplink_total_bandwidth_hz (default: N x uplink_bandwidth_hz, the same spectrum) that the
+    # plan divides among the devices every round, each getting at least ul_min_share x B / N.
+    ul_access: Literal["dedicated", "fdma_shared"] = "dedicated"
+    uplink_total_bandwidth_hz: float | None = Field(default=None, gt=0, description="B^U shared (fdma_shared), Hz")
+    ul_min_share: float = Field(default=0.05, gt=0, le=1, description="least share of B^U / N per device")
     drop: DropSpec | None = Field(default=None, description="random-drop settings for `simulate`")
     devices: list[Device] = Field(min_length=1)
 
@@ -119,6 +125,39 @@ class Scenario(_Strict):
         dup = sorted(n for n, c in counts.items() if c > 1)
         if dup:
             raise ValueError(f"device names must be unique; repeated: {', '.join(dup)}")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_uplink(self):
+        if self.ul_access == "dedicated":
+            if self.uplink_total_bandwidth_hz is not None:
+                raise ValueError(f"uplink_total_bandwidth_hz: {self.uplink_total_bandwidth_hz} is not allowed with "
+                                 "ul_access 'dedicated' (each device has uplink_bandwidth_hz); set ul_access: "
+                                 "fdma_shared, or leave it out")
+            return self
+        # Not implemented on a shared band: the split would have to follow a power that an energy budget
+        # lowers, and the lazy second upload would need a split of its own.
+        if self.ul_protocol == "lazy":
+            raise ValueError("ul_protocol: 'lazy' is not allowed with ul_access 'fdma_shared' (not implemented)")
+        named = [d.name for d in self.devices if d.uplink_bandwidth_hz is not None]
+        if named:
+            raise ValueError(f"devices' uplink_bandwidth_hz ({', '.join(named[:3])}) is not allowed with ul_access "
+                             "'fdma_shared': the plan divides uplink_total_bandwidth_hz")
+        budget = [d.name for d in self.devices if d.energy_budget_j is not None]
+        if budget:
+            raise ValueError(f"energy_budget_j ({', '.join(budget[:3])}) is not allowed with ul_access "
+                             "'fdma_shared' (not implemented)")
+        return self
+
+    @model_validator(mode="after")
+    def _topk_k_needs_topk(self):
+        # topk_k is read only by payload_format topk (or topk_choices, whose options set it): elsewhere it would be
+        # silently ignored. The default is not a setting (a dumped and rebuilt dense scenario carries it).
+        if (self.payload_format != "topk" and not self.topk_choices
+                and self.topk_k != type(self).model_fields["topk_k"].default):
+            raise ValueError(f"topk_k: {self.topk_k} is not allowed with payload_format {self.payload_format!r}: "
+                             "topk_k is read only when payload_format is 'topk'; set payload_format: topk, or "
+                             "leave topk_k out (topk_choices: let the plan choose k)")
         return self
 
     @field_validator("topk_choices")
@@ -168,8 +207,20 @@ class Scenario(_Strict):
         return np.array([getattr(d, field) for d in self.devices], dtype=float)
 
     def ul_bandwidths_hz(self) -> np.ndarray:
-        """B^U_k per device, Hz: the device's uplink_bandwidth_hz if set, else the scenario's."""
+        """B^U_k per device, Hz: the device's uplink_bandwidth_hz if set, else the scenario's; with a shared
+        uplink the equal share B^U / N (the plan's split replaces it, `testbed.core.uplink`)."""
+        if self.ul_access == "fdma_shared":
+            return np.full(self.num_devices, self.ul_total_bandwidth_hz() / self.num_devices)
         return np.array([d.uplink_bandwidth_hz or self.uplink_bandwidth_hz for d in self.devices], float)
+
+    def ul_total_bandwidth_hz(self) -> float:
+        """B^U of a shared uplink: uplink_total_bandwidth_hz, else N x uplink_bandwidth_hz (the same spectrum as
+        dedicated bands)."""
+        return float(self.uplink_total_bandwidth_hz or self.num_devices * self.uplink_bandwidth_hz)
+
+    def ul_min_band_hz(self) -> float:
+        """b_min, the least share of a shared uplink per device: ul_min_share x B^U / N."""
+        return self.ul_min_share * self.ul_total_bandwidth_hz() / self.num_devices
 
     def fixed_rates_bps(self, direction: str) -> np.ndarray:
         """Per device, the fixed rate of `direction` ("ul" or "dl") in bit/s; NaN where the model's rate holds."""
@@ -280,7 +331,9 @@ def format_validation_error(exc: ValidationError, source: str = "scenario") -> s
         if bounds and err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
             rule = f"must be in {bounds}"
         if err["type"] == "value_error" and isinstance(value, dict):
-            lines.append(f"{loc}: {rule}")
+            # A rule across fields names its field first ('topk_k: 64 is not allowed ...'): no '(top level)'.
+            named = not err["loc"] and rule.split(": ", 1)[0].isidentifier() and ": " in rule
+            lines.append(rule if named else f"{loc}: {rule}")
         else:
             lines.append(f"{loc}: {value!r} is not allowed: {rule}")
     return f"{source} is not valid:\n  " + "\n  ".join(lines)

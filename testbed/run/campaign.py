@@ -7,7 +7,7 @@ Layout of a campaign folder:
   <key>=<value>/        one compare directory per sweep point (`multispin report` reads it as one):
       <policy>[-rep<r>]/  a run directory (testbed.runtime.records); compare.json / compare.txt / plots/
   results.csv           one row per run: the point, policy, repeat, seed, status, measured and predicted
-                        goodput, energy; rewritten after every run
+                        goodput, energy, tags; rewritten after every run
   summary.txt           per point: the policies ordered by measured and by predicted goodput
   plots/goodput.png     measured goodput per policy against the swept key, the model's prediction beside it
 
@@ -52,7 +52,7 @@ COMPLETE = "complete"
 RESULT_FIELDS = ("key", "value", "policy", "repeat", "seed", "status", "rounds", "tokens", "time_s", "time_base",
                  "measured_goodput_tps", "predicted_goodput_tps", "measured_mean_round_tps",
                  "predicted_mean_round_tps", "ul_share", "measured_energy_j", "predicted_energy_j",
-                 "measured_tokens_per_j", "predicted_tokens_per_j", "wall_s", "run")
+                 "measured_tokens_per_j", "predicted_tokens_per_j", "wall_s", "tags", "run")
 
 
 class CampaignError(TestbedError):
@@ -193,6 +193,7 @@ class Campaign:
     repeats: int
     base: Profile
     runs: list[CampaignRun] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # more meta.json fields of each new run: command line, tags, note
 
     def moved(self, out: Path) -> Campaign:
         """The same campaign in another folder (planned before its folder is made)."""
@@ -315,10 +316,12 @@ def run_campaign(camp: Campaign, pair: dict, *, plots: bool = True, progress: bo
                 if on_round is not None:
                     on_round(rec, run)
 
+            meta = {**camp.meta, "campaign": str(camp.out), "sweep": {"key": camp.sweep.key, "value": run.value},
+                    "compare": {"dir": str(run.run_dir.parent), "policy": run.policy, "repeat": run.repeat}}
             try:
                 info = run_policy(run.profile, run.run_dir, pair, progress=False, plots=plots,
                                   title=f"{camp.out.name}/{run.label}/{run.run_dir.name}", resume=resume,
-                                  on_round=_round)
+                                  on_round=_round, meta=meta)
                 bar.write(f"[{k + 1}/{len(camp.runs)}] {what}: measured {_num(info.measured_tps)} tok/s, predicted "
                           f"{_num(info.predicted_tps)} tok/s ({info.status}, {info.rounds} rounds)")
             except TestbedError as exc:
@@ -371,7 +374,7 @@ def result_row(camp: Campaign, run: CampaignRun) -> dict:
             "measured_energy_j": run_e.get("measured_energy_j"), "predicted_energy_j": run_e.get("predicted_energy_j"),
             "measured_tokens_per_j": run_e.get("tokens_per_j"),
             "predicted_tokens_per_j": run_e.get("predicted_tokens_per_j"), "wall_s": _wall_s(meta),
-            "run": str(run.run_dir.relative_to(camp.out))}
+            "tags": ";".join(str(t) for t in meta.get("tags") or []), "run": str(run.run_dir.relative_to(camp.out))}
 
 
 def _wall_s(meta: dict) -> float | None:

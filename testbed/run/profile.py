@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from channel_emulator import DEFAULT_SPIN_S
 from testbed import PROFILES_DIR
@@ -40,6 +41,9 @@ class Endpoints(_Strict):
     device_connect: str | None = Field(default=None, description="what devices connect to")
     channel_frontend: str | None = Field(default=None, description="channel emulator frontend bind")
     channel_control: str | None = Field(default=None, description="channel emulator control endpoint")
+
+
+CHANNEL_STATE_ERROR = "channel_state"  # the pydantic error type of a channel.state problem
 
 
 def _builtin_sources():
@@ -80,13 +84,19 @@ class ChannelSettings(_Strict):
     measure_links: bool = False
     rate_probes: RateProbeSettings = RateProbeSettings()  # with measure_links: probe sweeps of each link
 
-    @field_validator("state")
+    @field_validator("state", mode="before")
     @classmethod
     def _known_source(cls, value):
-        source = (value or {}).get("source", "model")
-        if not isinstance(source, str):
-            raise ValueError(f"source: {source!r} is not allowed: must be the name of a source (built in: "
-                             f"{', '.join(_builtin_sources())}; or a plug-in's module:Class or entry point name)")
+        # Every key and value of a built-in source's state (testbed.channel.config), before anything starts; the
+        # problems travel as one error whose ctx lists them by location (`load_profile` names each one).
+        from testbed.channel.config import ChannelConfigError, check_state
+
+        try:
+            check_state(value)
+        except ChannelConfigError as exc:
+            raise PydanticCustomError(CHANNEL_STATE_ERROR, "{message}",
+                                      {"message": str(exc), "problems": exc.problems}) from None
+        source = value.get("source", "model") if isinstance(value, dict) else "model"
         if source not in _builtin_sources():
             from testbed.runtime.plugins import load_channel_source
 
@@ -170,6 +180,8 @@ class Profile(_Strict):
     fixed_length: int = Field(default=4, ge=1)
     deadline_s: float = Field(default=10.0, gt=0, description="a device's draft must arrive within this")
     max_misses: int = Field(default=2, ge=1, description="consecutive misses before a device leaves the session")
+    max_invalid_payloads: int = Field(default=3, ge=1, description="drafts in a row whose distributions are not "
+                                      "distributions (NaN, negative, ...) before the edge ends the device's session")
     # Liveness (the ZeroMQ guide's Paranoid Pirate): a peer silent for liveness x heartbeat_s is gone. A slow
     # real link needs a window longer than its largest message's transfer (a TCP stall after a rate drop).
     heartbeat_s: float = Field(default=1.0, ge=0.01, le=3600, description="seconds between heartbeats")
@@ -387,6 +399,10 @@ def load_profile(source: str | Path | dict | None = None,
             loc = tuple(err["loc"])
             if not loc and scenario_problems and "scenario" in err["msg"]:
                 continue  # the same scenario problems, already listed field by field
+            if err["type"] == CHANNEL_STATE_ERROR:  # one line per key of channel.state, each named where it is
+                for sub, line in err["ctx"]["problems"]:
+                    problem(loc + tuple(sub), line, line.split(": ", 1)[1] if line.startswith("channel.") else line)
+                continue
             value = err.get("input")
             shown = "" if isinstance(value, dict) else f" {value!r}"
             why = rule(err, Profile)

@@ -2,8 +2,10 @@
 summary.
 
 Layout of ``runs/<stamp>/``:
-  meta.json       profile snapshot, git revision, package versions, host, channel mode, start time, pid;
-                  status (running -> complete | incomplete | interrupted | failed) and reason
+  meta.json       profile snapshot, command line, overrides, seed, tags and note, version, git revision, package
+                  versions, host facts, channel mode, start time, pid; status (running -> complete |
+                  incomplete | interrupted | failed) and reason
+  profile.yaml    the resolved profile (the snapshot in meta.json as YAML)
   rounds.jsonl    one round record per line, written as each round ends (a write that fails leaves no partial
                   line)
   progress.jsonl  per device session: the token ids generated so far, one line per round with what changed
@@ -99,6 +101,69 @@ def package_versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+PROFILE_FILE = "profile.yaml"
+
+
+def write_profile_yaml(path: Path, profile_snapshot: dict) -> None:
+    """The resolved profile as YAML (the snapshot meta.json holds, in the form a profile file has)."""
+    import yaml
+
+    text = ("# The resolved profile of this run (file, --set, flags, defaults); meta.json holds the same as "
+            "`profile`.\n# multispin rerun RUN_DIR repeats the run; multispin run profile.yaml runs it again too.\n"
+            + yaml.safe_dump(_nan_to_none(profile_snapshot), sort_keys=False, default_flow_style=None, width=110))
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def run_facts() -> dict:
+    """What reproduces a run besides its profile: the command line as typed (`argv`, and `command`, one
+    shell-quoted line), the project's version and git commit, the package versions, and the host (its name
+    in `host`; CPU model, cores, memory, OS, Python in `host_info`)."""
+    import shlex
+
+    from testbed import __version__
+
+    argv = [str(a) for a in sys.argv]
+    prog = "multispin" if argv and (Path(argv[0]).name in ("multispin", "__main__.py") or argv[0] == "-c") else None
+    shown = [prog, *argv[1:]] if prog else argv
+    return {"version": __version__, "git_revision": git_revision(), "packages": package_versions(),
+            "host": platform.node(), "host_info": host_facts(), "argv": argv,
+            "command": " ".join(shlex.quote(a) for a in shown), "cwd": os.getcwd()}
+
+
+def host_facts() -> dict:
+    """The machine a run ran on: CPU model, logical cores (and those this process may use), memory, OS,
+    Python; a fact that cannot be read is null."""
+    cpu = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    cpu = cpu or platform.processor() or None
+    memory = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = int(line.split()[1]) * 1024
+                break
+    if memory is None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"cpu_model": cpu, "cores": os.cpu_count(), "cores_usable": usable, "memory_bytes": memory,
+            "os": platform.platform(), "machine": platform.machine(),
+            "python": f"{platform.python_implementation()} {platform.python_version()}"}
 
 
 def _json_default(obj: Any):
@@ -237,9 +302,15 @@ class RunRecorder:
         return last
 
     def write_meta(self, profile_snapshot: dict, **extra: Any) -> None:
-        meta = {"created_utc": _now(), "git_revision": git_revision(), "packages": package_versions(),
-                "host": platform.node(), "argv": sys.argv, "profile": profile_snapshot, **extra}
+        """meta.json of a new run (see `run_facts`; `extra` adds or replaces fields: status, pid, overrides,
+        tags, note, rerun_of, ...) and profile.yaml, the resolved profile that `multispin run profile.yaml`
+        runs again."""
+        meta = {"created_utc": _now(), **run_facts(), "profile": profile_snapshot, **extra}
         self._write(self.dir / "meta.json", meta)
+        try:
+            write_profile_yaml(self.dir / PROFILE_FILE, profile_snapshot)
+        except OSError as exc:
+            raise unwritable(self.dir, exc) from None
 
     def read_meta(self) -> dict:
         path = self.dir / "meta.json"

@@ -227,6 +227,15 @@ def sender_name(frame: zmq.Frame) -> str | None:
     return uid or None
 
 
+def peer_address(frame: zmq.Frame) -> str | None:
+    """The address ZeroMQ gives a received frame's connection (an IP address on tcp); None if it has none."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return address or None
+
+
 def claims_route(key_name: str, header: dict | None) -> bool:
     """Whether a keyed device's message moves the replies to its name onto the connection it came from: only a
     `register` under the key's own name (a restarted device, its new connection). Any other message, or a

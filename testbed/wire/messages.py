@@ -34,7 +34,7 @@ import numpy as np
 from testbed.core.sampling import WIRE_DTYPES, SamplingParams, exact_from_wire
 from testbed.core.vocabulary import DIRECTIONS, MODES, UL
 from testbed.wire import protocol as P
-from testbed.wire import sparse
+from testbed.wire import sparse, validate
 from testbed.wire.protocol import ProtocolError
 
 MESSAGE_TYPES = (P.REGISTER, P.REGISTERED, P.ERROR, P.SCHEDULE, P.DRAFT, P.VERDICT, P.REPORT, P.BYE,
@@ -531,7 +531,7 @@ def draft(round_index: int, mode: str, tokens, q_rows, *, q_wire=None, last_toke
 
 
 class WireRows:
-    """float16 wire rows (L, V), checked as `P.from_wire` checks them, that give a row as `exact_from_wire`
+    """float16 wire rows (L, V), checked as `validate.from_wire` checks them, that give a row as `exact_from_wire`
     does only when it is used: a UL draft's verification reads q at the drafted tokens (`at`) and at most
     one whole row (a correction), so the L x V float64 copy `from_wire` makes is skipped. Bit-identical to
     it: the float64 sum of a float16 row that passes the check is exact in any order, so the sums here are
@@ -544,20 +544,9 @@ class WireRows:
 
     @classmethod
     def checked(cls, arr: np.ndarray, vocab_size: int, *, name: str) -> WireRows:
-        """`P.from_wire`'s checks in its order and with its messages, on the float16 bits and float64 sums."""
-        rows = P.vocab_rows(arr, vocab_size, name=name)
-        bits = rows.view(np.uint16)
-        # Exact for a row that passes (its values are below 1.01: partial sums are multiples of 2**-24 below
-        # 2); a row far off is refused whatever the order of its sum. A NaN or an infinity (exponent bits all
-        # ones) makes its row's sum non-finite, a float16 sum cannot overflow float64: the bits are looked at
-        # only then.
-        sums = rows.sum(axis=-1, dtype=np.float64)
-        if not np.isfinite(sums).all() and ((bits & 0x7C00) == 0x7C00).any():
-            raise ProtocolError(f"{name}: contains NaN or infinite values")
-        if bits.max() > 0x8000:  # the sign bit set on anything but -0.0 (NaNs are out by now)
-            raise ProtocolError(f"{name}: contains negative probabilities")
-        P.check_sums(name, sums)
-        return cls(rows, sums)
+        """`validate.from_wire`'s checks (`validate.check_rows`, on the float16 bits and float64 sums)."""
+        rows = validate.vocab_rows(arr, vocab_size, name=name)
+        return cls(rows, validate.check_rows(name, rows))
 
     def at(self, tokens: np.ndarray) -> np.ndarray:
         """q of each row's token: row i at tokens[i] (float64)."""
@@ -613,14 +602,14 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
                             f"allowed; must be int32 of shape ({draft_len},)")
     ids = toks.tolist()
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # a few ids: Python is quicker than numpy here
-        raise ProtocolError(f"draft.tokens: {ids} is not allowed; ids must be in [0, {vocab_size})")
+        validate.check_tokens("draft.tokens", toks, vocab_size)
     width = max(vocab_size, on_air_vocab or 0)
     q_bytes = 0
     if mode == UL and topk is not None:
         ids, values = _array(arrays, "q_ids"), _array(arrays, "q_p")
         rows = sparse.decode(ids, values, draft_len=draft_len, k=topk, bits=sparse.id_bits(width),
                              vocab_size=vocab_size, bits_per_prob=bits_per_prob)
-        q_rows = P.from_wire(rows, vocab_size, name="draft.q_p")
+        q_rows = validate.from_wire(rows, vocab_size, name="draft.q_p")
         q_at = q_rows[np.arange(draft_len), toks]
         q_bytes = ids.nbytes + values.nbytes
     elif mode == UL:
@@ -632,7 +621,7 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
             q_rows = WireRows.checked(q, vocab_size, name="draft.q")
             q_at = q_rows.at(toks)
         else:
-            q_rows = P.from_wire(q, vocab_size, name="draft.q")
+            q_rows = validate.from_wire(q, vocab_size, name="draft.q")
             q_at = q_rows[np.arange(draft_len), toks]
         q_bytes = q.nbytes
     else:
@@ -641,11 +630,9 @@ def parse_draft(header: dict, arrays: dict, *, mode: str, draft_len: int, vocab_
             raise ProtocolError(f"draft.q_at: {None if qa is None else (qa.dtype.name, qa.shape)} is not "
                                 f"allowed; must be float64 of shape ({draft_len},)")
         q_rows, q_at = None, qa.copy()
-        if not np.all(np.isfinite(q_at)) or np.any(q_at <= 0) or np.any(q_at > 1):
-            raise ProtocolError(f"draft.q_at: {q_at.tolist()} is not allowed; sampled tokens need q in (0, 1]")
-    if np.any(q_at <= 0):
-        # Impossible for an honest device (the token was sampled from this q): a protocol violation.
-        raise ProtocolError("draft.q: a drafted token has q = 0; q must be the distribution it was sampled from")
+    # q of each drafted token in (0, 1], either mode: q = 0 is impossible for an honest device (the token was
+    # sampled from this q), a protocol violation.
+    validate.check_drafted("draft.q" if mode == UL else "draft.q_at", q_at, toks)
     last = _field(header, "last_token", int, f"a token id in [0, {vocab_size})", lo=0, hi=vocab_size - 1)
     return Draft(r, mode, toks.astype(np.int64), q_rows, q_at, last, _timings(header, DRAFT_TIMINGS),
                  _channel(header, "channel"), topk, q_bytes)
@@ -702,7 +689,7 @@ def parse_verdict(header: dict, arrays: dict, *, draft_len: int, vocab_size: int
         width = max(vocab_size, on_air_vocab or 0)
         if p.dtype.name != wire or p.shape != (width,):
             raise ProtocolError(f"verdict.p: {(p.dtype.name, p.shape)} is not allowed; must be {wire} ({width},)")
-        p_row = P.from_wire(p, vocab_size, name="verdict.p")
+        p_row = validate.from_wire(p, vocab_size, name="verdict.p")
     if token is None and p_row is None:
         raise ProtocolError("verdict: carries neither a token nor a distribution p")
     return Verdict(r, False, n, token, p_row, channel)

@@ -370,8 +370,7 @@ MAX_ARRAY_BYTES = 64 * 1024 * 1024
 MAX_RANK = 4
 MAX_NAME_CHARS = 64
 ALLOWED_DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint32", "uint8")  # uint8: bit-packed ids
-PROB_SUM_TOLERANCE = 1e-2  # float16 rounding of thousands of entries stays well inside this (checked
-# on the raw wire rows: a sanity check of the sender; the rows are normalised after it)
+# Distributions are checked in testbed/wire/validate.py (`from_wire`, the row-sum tolerance).
 
 # Message types (see testbed/wire/messages.py for the builders and validators).
 REGISTER = "register"
@@ -530,53 +529,3 @@ def to_wire(wire_rows, bits_per_prob: int, on_air_vocab: int | None = None):
         pad = [(0, 0)] * (arr.ndim - 1) + [(0, on_air_vocab - arr.shape[-1])]
         arr = np.pad(arr, pad)
     return arr
-
-
-def from_wire(arr, vocab_size: int, *, name: str = "distribution", check_padding: bool = True):
-    """Strip the on-air padding, check the rows, and return them as `exact_from_wire` gives them: the
-    float64 distributions the sender computed from the same wire values (bit-identical)."""
-    import numpy as np
-
-    from testbed.core.sampling import exact_from_wire
-
-    # Stripped before normalising (the sender normalised over V entries); one float64 copy serves the check
-    # and exact_from_wire (which takes a float64 C-ordered array as it is: the same values, the same rows).
-    rows = np.ascontiguousarray(vocab_rows(np.asarray(arr), vocab_size, name=name, check_padding=check_padding),
-                                dtype=np.float64)
-    check_probs(name, rows)
-    return exact_from_wire(rows)
-
-
-def vocab_rows(arr, vocab_size: int, *, name: str, check_padding: bool = True):
-    """`arr`'s first `vocab_size` entries of each row (a view); ProtocolError when it has fewer, or (with
-    `check_padding`) non-zero mass beyond them."""
-    if arr.shape[-1] < vocab_size:
-        raise ProtocolError(f"{name} has {arr.shape[-1]} entries, fewer than the vocabulary {vocab_size}")
-    if check_padding and arr.shape[-1] > vocab_size and arr[..., vocab_size:].any():
-        raise ProtocolError(f"{name} has non-zero mass beyond the vocabulary size {vocab_size}")
-    return arr[..., :vocab_size]
-
-
-def check_sums(name: str, sums, tol: float = PROB_SUM_TOLERANCE) -> None:
-    """Each row's float64 sum (`sums`, one per row) is 1 within `tol`, else a ProtocolError naming the worst row."""
-    err = abs(sums - 1.0).reshape(-1)
-    worst = int(err.argmax())
-    if err[worst] > tol:
-        raise ProtocolError(f"{name}: row {worst} sums to {float(sums.reshape(-1)[worst]):.6g}; each row must sum "
-                            f"to 1 within {tol}")
-
-
-def check_probs(name: str, rows, *, tol: float = PROB_SUM_TOLERANCE) -> None:
-    """Finite, non-negative, each row summing to 1 within `tol`."""
-    import numpy as np
-
-    rows = np.asarray(rows, dtype=np.float64)
-    if not rows.size:
-        return
-    sums = rows.sum(axis=-1)
-    # A NaN or an infinity makes its row's sum non-finite: the element-wise pass only then.
-    if not np.isfinite(sums).all() and not np.isfinite(rows).all():
-        raise ProtocolError(f"{name}: contains NaN or infinite values")
-    if rows.min() < 0:
-        raise ProtocolError(f"{name}: contains negative probabilities")
-    check_sums(name, sums, tol)

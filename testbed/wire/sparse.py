@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from testbed.wire import protocol as P
+from testbed.wire import validate
 from testbed.wire.protocol import ProtocolError
 
 
@@ -73,7 +74,7 @@ def decode(packed, values, *, draft_len: int, k: int, bits: int, vocab_size: int
            name: str = "draft") -> np.ndarray:
     """The (L, vocab_size) wire rows a top-k upload stands for (zeros outside its ids), after checking it as
     a peer's data: dtypes and shapes, ids below the vocabulary and distinct in a row, zero padding bits, and
-    values that form distributions (`protocol.check_probs`). Any problem is a ProtocolError naming the array."""
+    values that form distributions (`validate.check_sparse`). Any problem is a ProtocolError naming the array."""
     wire = P.wire_dtype(bits_per_prob)
     n = draft_len * k
     want = packed_bytes(n, bits)
@@ -88,13 +89,7 @@ def decode(packed, values, *, draft_len: int, k: int, bits: int, vocab_size: int
     if spare and int(packed[-1]) & ((1 << spare) - 1):
         raise ProtocolError(f"{name}.q_ids: the {spare} padding bits after the last id must be 0")
     ids = unpack_ids(packed, n, bits).reshape(draft_len, k)
-    if ids.size and ids.max() >= vocab_size:
-        raise ProtocolError(f"{name}.q_ids: id {int(ids.max())} is not allowed; ids must be in [0, {vocab_size})")
-    ordered = np.sort(ids, axis=1)
-    if np.any(ordered[:, 1:] == ordered[:, :-1]):
-        row = int(np.flatnonzero(np.any(ordered[:, 1:] == ordered[:, :-1], axis=1))[0])
-        raise ProtocolError(f"{name}.q_ids: row {row} repeats an id; the k ids of a row must be distinct")
-    P.check_probs(f"{name}.q_p", values)
+    validate.check_sparse(f"{name}.q_ids", f"{name}.q_p", ids, values, vocab_size)
     rows = np.zeros((draft_len, vocab_size), dtype=values.dtype)
     np.put_along_axis(rows, ids, values, axis=1)
     return rows

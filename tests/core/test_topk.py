@@ -27,7 +27,7 @@ from testbed.core.sampling import (
     truncate_top_k,
     verify_draft,
 )
-from testbed.core.scenario import Scenario
+from testbed.core.scenario import Scenario, ScenarioError
 from testbed.core.simulate import run_task
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
@@ -431,3 +431,15 @@ def test_a_pinned_schedule_still_chooses_the_upload():
     rp = ctl.plan_round(0, ["a", "b", "c"])
     assert rp.topk == 64 and all(d.mode == "UL" and d.draft_len == 3 for d in rp.per_device.values())
     assert rp.per_device["a"].ul_bits == pytest.approx(3 * (18 + 64 * 34) + ctl.header_bits)
+
+
+def test_topk_k_is_refused_where_it_would_be_ignored_naming_payload_format():
+    with pytest.raises(ScenarioError, match=r"topk_k: 64 is not allowed with payload_format 'dense'.*payload_format: "
+                                            r"topk"):
+        _scenario(topk_k=64)
+    _scenario(topk_k=1024)  # the default: a dumped and rebuilt dense scenario carries it
+    sc = _scenario(payload_format="topk", topk_k=64, topk_choices=[16, 64])  # the plan picks; k of the options
+    dense = payload.option_scenario(sc, None)
+    assert dense.payload_format == "dense" and payload.topk_of(dense) is None
+    assert payload.option_scenario(_scenario(payload_format="topk", topk_k=64), None).payload_format == "dense"
+    assert Scenario.from_dict(_scenario(payload_format="topk", topk_k=64).model_dump()).topk_k == 64

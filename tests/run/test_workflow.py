@@ -378,7 +378,8 @@ def test_csv_has_one_row_per_device_and_round(runs_dir, capsys):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 6 * 2
     cols = list(rows[0])
-    assert cols[:4] == ["round", "device", "mode", "draft_len"]
+    assert cols[:7] == ["policy", "seed", "tags", "round", "device", "mode", "draft_len"]  # the run's, then the row's
+    assert (rows[0]["policy"], rows[0]["seed"], rows[0]["tags"]) == ("proposed", "0", "")
     first = {c.split("_")[0] for c in cols}
     assert {"predicted", "measured", "estimate", "round"} <= first
     assert cols.index("predicted_draft_s") < cols.index("measured_draft_s") < cols.index("round_measured_round_s")
@@ -389,12 +390,13 @@ def test_csv_has_one_row_per_device_and_round(runs_dir, capsys):
     # stdout, and several runs into one file with a run column
     capsys.readouterr()
     assert main(["report", str(run), "--csv", "-"]) == 0
-    assert capsys.readouterr().out.startswith("round,device,mode,draft_len,")
+    assert capsys.readouterr().out.startswith("policy,seed,tags,round,device,mode,draft_len,")
     out = runs_dir.parent / "all.csv"
     assert main(["report", str(run), str(runs_dir / "20250101-110000-all-dl"), "--csv", str(out)]) == 0
     with open(out) as fh:
         both = list(csv.DictReader(fh))
-    assert len(both) == (6 + 4) * 2 and list(both[0])[0] == "run"
+    assert len(both) == (6 + 4) * 2 and list(both[0])[:2] == ["run", "policy"]
+    assert {r["policy"] for r in both} == {"proposed", "all-dl"}
     assert main(["report", str(run), str(runs_dir / "20250101-110000-all-dl"), "--csv"]) == 2  # where to?
 
 

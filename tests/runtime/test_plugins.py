@@ -79,7 +79,9 @@ def _module(tmp_path: Path, monkeypatch, name: str, code: str) -> None:
 
 def test_builtin_policies_decide_as_before_through_the_interface():
     sc = Scenario.from_dict(SC)
-    assert list(BEFORE) == list(POLICIES)
+    # The policies of before keep their order and decisions; newer ones (the Multi-SPIN baselines) have tests of
+    # their own in tests/core/test_shared_uplink.py.
+    assert [p for p in POLICIES if p in BEFORE] == list(BEFORE)
     for name, (modes, lens) in BEFORE.items():
         by_name = plan(sc, name, fixed_length=3, seed=5)
         obj = load_policy(name)

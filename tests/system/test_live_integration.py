@@ -55,7 +55,7 @@ def test_three_devices_ten_rounds(micro_pair, tmp_path):
             assert 0 <= d["n_accepted"] <= d["draft_len"]
             assert d["measured"]["tokens"] == d["n_accepted"] + 1
             # Measured next to predicted for every phase of the device.
-            for key in ("draft_s", "uplink_s", "up_phase_s", "downlink_s"):
+            for key in ("draft_s", "ul_air_s", "uplink_phase_s", "dl_air_s"):
                 assert d["predicted"][key] is not None and d["measured"][key] is not None, (name, key)
             # The channel charged the real bytes: a UL-mode upload carries L rows of 4096 float16 values.
             if d["mode"] == "UL":
@@ -252,7 +252,7 @@ def test_lan_commands_over_tcp(micro_pair, tmp_path):
     assert len(recs) == 4 and all(sorted(r["devices"]) == ["d0", "d1", "d2"] for r in recs)
     # No channel emulator: no air-time annotation, the edge-clock phases are still measured.
     d = recs[-1]["devices"]["d0"]
-    assert d["ul_channel"] is None and d["measured"]["up_phase_s"] > 0
+    assert d["ul_channel"] is None and d["measured"]["uplink_phase_s"] > 0
 
 
 def test_sessions_end_at_max_new_tokens(micro_pair, tmp_path):

@@ -15,6 +15,7 @@ from testbed.core.sampling import (
 )
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
+from testbed.wire import validate as VAL
 from testbed.wire.protocol import ProtocolError
 
 
@@ -61,13 +62,13 @@ def test_wire_padding_and_stripping():
     rows = to_wire_precision(q, 16)
     w = P.to_wire(rows, 16, on_air_vocab=8)
     assert w.shape == (1, 8) and w.dtype == np.float16 and not w[:, 3:].any()
-    back = P.from_wire(w, 3)
+    back = VAL.from_wire(w, 3)
     # the receiver gets exactly what the sender computes from its unpadded rows
     assert back.dtype == np.float64 and np.array_equal(back, exact_from_wire(rows))
     assert np.array_equal(back, exact_from_wire(to_wire_precision(q, 16)))
     w[0, 5] = 0.1
     with pytest.raises(ProtocolError, match="beyond the vocabulary"):
-        P.from_wire(w, 3)
+        VAL.from_wire(w, 3)
     with pytest.raises(ProtocolError, match="bits_per_prob 8"):
         P.wire_dtype(8)
     # rows not at the wire precision are refused, not rounded again (that could change them)
@@ -76,11 +77,11 @@ def test_wire_padding_and_stripping():
 
 
 def test_check_probs():
-    P.check_probs("ok", np.array([[0.5, 0.5]]))
+    VAL.check_rows("ok", np.array([[0.5, 0.5]]))
     for rows, fragment in ((np.array([[np.nan, 1.0]]), "NaN"), (np.array([[-0.1, 1.1]]), "negative"),
                            (np.array([[0.5, 0.5], [0.2, 0.2]]), "row 1 sums to 0.4")):
         with pytest.raises(ProtocolError, match=fragment):
-            P.check_probs("draft.q", rows)
+            VAL.check_rows("draft.q", rows)
 
 
 def _q(L, V, seed=0):

@@ -41,8 +41,12 @@ control socket are CURVE servers that admit only listed keys, a device is the na
 (whatever routing identity its connection chose: devices with keys let ZeroMQ pick one), only the ``edge``
 client may use the control socket, and the DEALERs to the edge authenticate as ``channel``. Without keys, a
 ``control_token`` (passed in the environment, never on the command line) must be
-in every control request. Every message is handled under a guard (a bad one is dropped with one log line),
-identities are capped (least recently used idle ones are closed first) and rate-limited, and a message that
+in every control request. Every message is handled under a guard (a bad one is dropped and counted; refusals
+are logged per peer in aggregate, `PeerLog`), identities are capped (least recently used idle ones are closed
+first, those the edge never registered before devices, and those expire after `unregistered_idle_s`),
+rate-limited and limited in bytes held, frontend connections are capped (the idlest shut down first,
+`_reap_connections`), a second connection with a device's key moves the device's replies only once the edge
+answers its `register` with `registered` (`_route_for_reply`), and a message that
 is not charged waits behind the held messages of its own link, so one link's messages stay in order (but a
 ``heartbeat``, which carries no state, overtakes them: a long held verdict must not make its peer look dead).
 
@@ -64,9 +68,11 @@ import itertools
 import json
 import logging
 import os
+import socket
+import struct
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import zmq
@@ -78,7 +84,6 @@ from testbed.runtime.security import (
     CHANNEL_CLIENT,
     EDGE_CLIENT,
     ClientKeys,
-    LogThrottle,
     RateLimiter,
     ServerKeys,
     check_identity,
@@ -90,7 +95,10 @@ from testbed.runtime.security import (
     stop_authenticators,
 )
 from testbed.runtime.sockets import harden_router, max_message_bytes
+from testbed.wire import messages as M
 from testbed.wire.protocol import (
+    ERROR,
+    REGISTERED,
     TX_START,
     ProtocolError,
     annotate_header,
@@ -106,11 +114,17 @@ SHARED_DL = "*tdma*"  # the link key of the one shared DL link under tdma
 TOKEN_ENV = "MULTISPIN_CHANNEL_TOKEN"  # where a parent process hands the control token to the emulator
 MAX_IDENTITIES = 512     # one DEALER per identity: stay well below the fd limit (see `identity_budget`)
 IDLE_REAP_S = 600.0      # an identity silent this long loses its DEALER
+UNREGISTERED_IDLE_S = 30.0  # ... and one the edge never answered `registered` (garbage, a scan) after this
+MAX_HELD_BYTES = 256 * 2**20  # bytes held for their air time per identity (UL): a device holds one draft or so
+PEER_LOG_INTERVAL_S = 5.0  # refusals are said once per peer per interval, counted by reason
+PEER_LOG_LINES = 20        # peers named per interval; the rest in one summary line
+CONN_PROTECT_AGE_S = 2.0   # a frontend connection this old and active within CONN_ACTIVE_S is reaped last
+CONN_ACTIVE_S = 2.0
 # Open files per identity: the device's connection to the frontend, its DEALER's connection and mailbox. ZeroMQ
 # aborts the process when it runs out of files, so the cap must fit the process's limit (ulimit -n, often 1024).
 FDS_PER_IDENTITY = 3
 FD_RESERVE = 64          # listeners, the control socket, ZeroMQ's own threads, the log, Python
-LOG_BURST = 20           # warnings about peers' messages a second; the rest are counted (a flood must not fill a disk)
+LOG_BURST = PEER_LOG_LINES  # (the former name) peers whose refusals are logged per interval
 MAX_MSGS_PER_S = 2000.0  # per identity, averaged over a one-second burst
 MAX_CONTROL_REPLY_BYTES = 16 * 1024 * 1024  # stats of many links; still bounded
 
@@ -125,6 +139,95 @@ def _header(frames: list) -> dict | None:
 
 class ConfigError(ValueError):
     pass
+
+
+class PeerLog:
+    """Refusals of peers' messages in aggregate: counted per peer and reason, and said once per `interval_s` in
+    one line per peer (at most `lines` peers; the others in one summary line). A flood of any number of messages
+    or identities writes a bounded log; the owner calls `flush` from its periodic tick, and at exit."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = PEER_LOG_INTERVAL_S, lines: int = PEER_LOG_LINES):
+        self.logger, self.interval_s, self.lines = logger, float(interval_s), int(lines)
+        self.start = time.monotonic()
+        self.peers: dict[str, Counter] = {}
+        self.example: dict[str, str] = {}
+
+    def warn(self, now: float, peer: str, reason: str, msg: str, *args) -> None:
+        counts = self.peers.get(peer)
+        if counts is None:
+            if len(self.peers) >= 64 * self.lines:  # a flood of identities: count it under one key
+                peer = "(other peers)"
+                counts = self.peers.setdefault(peer, Counter())
+            else:
+                counts = self.peers[peer] = Counter()
+                try:
+                    self.example[peer] = (msg % args)[:300]
+                except (TypeError, ValueError):
+                    self.example[peer] = msg[:300]
+        counts[reason] += 1
+        self.flush(now)
+
+    def flush(self, now: float, force: bool = False) -> None:
+        if not self.peers or (not force and now - self.start < self.interval_s):
+            if not self.peers:
+                self.start = now
+            return
+        span = max(now - self.start, 0.0)
+        ranked = sorted(self.peers.items(), key=lambda kv: -kv[1].total())
+        for peer, counts in ranked[:self.lines]:
+            self.logger.warning("peer %s: %d message(s) refused in %.1f s (%s); first: %s", peer, counts.total(),
+                                span, ", ".join(f"{k}: {v}" for k, v in counts.most_common()),
+                                self.example.get(peer, "-"))
+        rest = ranked[self.lines:]
+        if rest:
+            total = Counter()
+            for _, counts in rest:
+                total.update(counts)
+            self.logger.warning("%d more peers: %d message(s) refused in %.1f s (%s)", len(rest), total.total(), span,
+                                ", ".join(f"{k}: {v}" for k, v in total.most_common()))
+        self.start, self.peers, self.example = now, {}, {}
+
+
+_TCP_INFO_LEN = 104
+
+
+def tcp_idle_s(fd: int) -> tuple[float, int] | None:
+    """(seconds since data last went either way, local port) of a connected tcp socket `fd` (Linux TCP_INFO:
+    tcpi_last_data_sent/recv, ms); None if it is not one (an ipc connection, a closed or reused file)."""
+    try:
+        s = socket.socket(fileno=fd)  # no new file (at the limit, a dup would fail): detached below
+    except OSError:
+        return None
+    try:
+        if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+            return None
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        sent, _, recv = struct.unpack_from("<III", info, 44)
+        s.getpeername()  # a connection, not the listener
+        return min(sent, recv) / 1000.0, s.getsockname()[1]
+    except (OSError, struct.error, AttributeError, IndexError):
+        return None
+    finally:
+        s.detach()  # the file stays libzmq's
+
+
+def shut_down(fd: int, port: int) -> bool:
+    """End the tcp connection `fd` (a frontend connection of local `port`): libzmq sees the peer gone and closes
+    it itself (ZeroMQ has no call to drop one peer of a ROUTER). Checked against `port` first: the file may have
+    been closed and reused since its monitor event."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        if s.type != socket.SOCK_STREAM or s.getsockname()[1] != port:
+            return False
+        s.shutdown(socket.SHUT_RDWR)
+        return True
+    except (OSError, IndexError, TypeError):
+        return False
+    finally:
+        s.detach()
 
 
 def identity_budget(max_identities: int, files: int | None) -> int:
@@ -188,7 +291,9 @@ class ChannelProxy:
                  spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, context: zmq.Context | None = None,
                  keys_dir: str | None = None, control_token: str | None = None,
                  max_identities: int = MAX_IDENTITIES, idle_reap_s: float = IDLE_REAP_S,
-                 max_msgs_per_s: float = MAX_MSGS_PER_S):
+                 max_msgs_per_s: float = MAX_MSGS_PER_S, unregistered_idle_s: float = UNREGISTERED_IDLE_S,
+                 max_held_bytes: int = MAX_HELD_BYTES, max_unregistered: int | None = None,
+                 max_connections: int | None = None, peer_log_interval_s: float = PEER_LOG_INTERVAL_S):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid; allowed: {', '.join(MODES)}")
         if not (0 <= spin_s < 1):
@@ -202,11 +307,21 @@ class ChannelProxy:
         self.edge_keys = ClientKeys.for_name(keys_dir, CHANNEL_CLIENT) if keys_dir else None
         self.control_token = control_token
         self.max_identities, self.idle_reap_s = int(max_identities), float(idle_reap_s)
-        files = fd_limit()
+        self.unregistered_idle_s, self.max_held_bytes = float(unregistered_idle_s), int(max_held_bytes)
+        files = self.files = fd_limit()
+        self._files_checked = 0.0
         if identity_budget(self.max_identities, files) < self.max_identities:
             self.max_identities = identity_budget(self.max_identities, files)
             log.warning("identities capped at %d: this process may open %d files (ulimit -n), %d per identity",
                         self.max_identities, files, FDS_PER_IDENTITY)
+        # Identities the edge never answered `registered` hold at most a quarter of the DEALERs; frontend
+        # connections (one file each) at most half the identities plus the registered ones, the idle ones shut
+        # down first (`_reap_connections`): a flood's files in flight (connections accepted before the next
+        # check, DEALERs closing) stay within what the cap leaves free.
+        self.max_unregistered = max(1, int(max_unregistered) if max_unregistered is not None
+                                    else self.max_identities // 4)
+        self.max_connections = max(2, int(max_connections) if max_connections is not None
+                                   else self.max_identities // 2)
         self.limiter = RateLimiter(max_msgs_per_s)  # per identity; the same limit as the edge's
         self.max_msgs_per_s = self.limiter.rate
         self.frontend = self.ctx.socket(zmq.ROUTER)
@@ -216,6 +331,10 @@ class ChannelProxy:
         self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a gone device raises, it is not lost silently
         make_server(self.frontend, server_keys)
         self.frontend.bind(frontend_bind)
+        last = self.frontend.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.frontend_port = int(last.rsplit(":", 1)[1]) if last.startswith("tcp://") else None
+        self.monitor = self.frontend.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.conns: dict[int, float] = {}  # fd of a frontend connection -> when it was accepted
         self.control = self.ctx.socket(zmq.REP)
         self.control.setsockopt(zmq.LINGER, 0)
         make_server(self.control, server_keys)
@@ -223,8 +342,13 @@ class ChannelProxy:
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.dealers: dict[bytes, zmq.Socket] = {}
         self.routes: dict[bytes, bytes] = {}  # with CURVE: a device's name -> its connection's routing identity
+        self.claims: dict[bytes, bytes] = {}  # a name -> a second connection whose `register` awaits the edge's answer
+        self.registered: set[bytes] = set()   # identities the edge answered `registered` (kept longer, reaped last)
+        self.registering: set[bytes] = set()  # identities that sent a `register` the edge has not answered yet
+        self.held_bytes: dict[bytes, int] = defaultdict(int)  # UL bytes held for their air time, per identity
         self.dealer_ident: dict[zmq.Socket, bytes] = {}
         self.config = {"round": None, "dl_access": "fdma_equal_split", "base_latency_s": 0.0, "links": {},
                        "lead_s": 0.0, "lead_per_byte_s": 0.0}
@@ -237,12 +361,14 @@ class ChannelProxy:
                          "refused_identity": 0, "unconfigured": 0, "unknown_peer": 0, "errors": 0,
                          "impersonation": 0, "identity_cap": 0, "reaped": 0, "rate_limited": 0,
                          "queued_behind": 0, "control_refused": 0, "undeliverable": 0, "forged_annotation": 0,
-                         "heartbeat_overtook": 0}
+                         "heartbeat_overtook": 0, "duplicate_key": 0, "held_bytes_cap": 0,
+                         "unregistered_cap": 0, "expired_unregistered": 0, "connections_shut": 0,
+                         "route_moved": 0}
         self.held_on_link: dict[tuple[str, bytes], int] = defaultdict(int)   # held messages per (dir, device)
         self.link_release: dict[tuple[str, bytes], float] = {}               # latest held deadline per link
         self.last_seen: dict[bytes, float] = {}
         self._last_reap = time.monotonic()
-        self._peer_log = LogThrottle(log, LOG_BURST, "warnings about peers' messages")
+        self._peer_log = PeerLog(log, peer_log_interval_s)
         self.running = False
 
     # -- sockets -------------------------------------------------------------------------------------
@@ -253,11 +379,20 @@ class ChannelProxy:
                 # ZeroMQ reserves identities starting with a zero byte (auto-generated ones): the device did
                 # not set routing_id, so the edge could not address it by name.
                 self.counters["refused_identity"] += 1
-                self._warn("refusing peer without routing_id (identity %r); devices must set routing_id", ident)
+                self._warn(ident, "no_routing_id",
+                           "refusing peer without routing_id (identity %r); devices must set routing_id", ident)
+                return None
+            unregistered = len(self.dealers) - len(self.registered)
+            if unregistered >= self.max_unregistered and not self._reap(time.monotonic(), need_one=True,
+                                                                        unregistered_only=True):
+                self.counters["unregistered_cap"] += 1
+                self._warn(ident, "unregistered_cap", "refusing identity %r: %d identities the edge has not "
+                           "registered are open (cap)", ident, unregistered)
                 return None
             if len(self.dealers) >= self.max_identities and not self._reap(time.monotonic(), need_one=True):
                 self.counters["identity_cap"] += 1
-                self._warn("refusing identity %r: %d identities are open (cap)", ident, len(self.dealers))
+                self._warn(ident, "identity_cap", "refusing identity %r: %d identities are open (cap)", ident,
+                           len(self.dealers))
                 return None
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.ROUTING_ID, ident)
@@ -269,23 +404,29 @@ class ChannelProxy:
             self.dealers[ident] = sock
             self.dealer_ident[sock] = ident
             self.poller.register(sock, zmq.POLLIN)
-            log.info("device %r: opened DEALER to %s", ident, self.edge_connect)
+            log.debug("device %r: opened DEALER to %s", ident, self.edge_connect)  # a flood's are many
         return sock
 
-    def _reap(self, now: float, need_one: bool = False) -> bool:
-        """Close DEALERs of identities idle past `idle_reap_s` (or, with `need_one`, the least recently
-        used idle one) that hold no message. Returns whether one was closed."""
-        idle = sorted((t, i) for i, t in self.last_seen.items()
-                      if i in self.dealers and not self.held_on_link[("ul", i)] and not self.held_on_link[("dl", i)])
-        victims = [i for t, i in idle if now - t > self.idle_reap_s] or ([idle[0][1]] if need_one and idle else [])
+    def _reap(self, now: float, need_one: bool = False, unregistered_only: bool = False) -> bool:
+        """Close DEALERs of identities idle past `idle_reap_s` (one the edge never registered: past
+        `unregistered_idle_s`) that hold no message; with `need_one`, else the least recently used idle one,
+        unregistered ones first. Returns whether one was closed."""
+        idle = sorted((i in self.registered, i in self.registering, t, i) for i, t in self.last_seen.items()
+                      if i in self.dealers and not self.held_on_link[("ul", i)] and not self.held_on_link[("dl", i)]
+                      and not (unregistered_only and i in self.registered))
+        victims = [i for reg, _, t, i in idle if now - t > (self.idle_reap_s if reg else self.unregistered_idle_s)]
+        if not victims and need_one and idle:
+            victims = [idle[0][3]]  # garbage first, then a registration on its way, then a device
         for ident in victims:
+            if ident not in self.registered and now - self.last_seen.get(ident, now) > self.unregistered_idle_s:
+                self.counters["expired_unregistered"] += 1
             sock = self.dealers.pop(ident)
             self.dealer_ident.pop(sock, None)
             self.poller.unregister(sock)
             sock.close(linger=0)
+            (log.info if ident in self.registered else log.debug)("device %r: closed its idle DEALER", ident)
             self._forget(ident)
             self.counters["reaped"] += 1
-            log.info("device %r: closed its idle DEALER", ident)
         return bool(victims)
 
     def _forget(self, ident: bytes) -> None:
@@ -293,6 +434,10 @@ class ChannelProxy:
         emulator, nor its `stats` reply (the edge reads it every heartbeat). A configured link keeps its stats."""
         self.last_seen.pop(ident, None)
         self.routes.pop(ident, None)
+        self.claims.pop(ident, None)
+        self.registered.discard(ident)
+        self.registering.discard(ident)
+        self.held_bytes.pop(ident, None)
         self.limiter.forget(ident)
         for direction in DIRECTIONS:
             for table in (self.held_on_link, self.link_release, self.markers, self.free_at):
@@ -302,17 +447,18 @@ class ChannelProxy:
             self.stats.pop((name, "ul"), None)
             self.stats.pop((name, "dl"), None)
 
-    def _warn(self, msg: str, *args) -> None:
-        """A warning about a peer's message, at most LOG_BURST a second (the rest are counted, then said)."""
-        self._peer_log.warn(time.monotonic(), "other", msg, *args)
+    def _warn(self, peer: bytes | str, reason: str, msg: str, *args) -> None:
+        """A refused message of `peer`: counted, and said in aggregate once per interval (`PeerLog`)."""
+        if isinstance(peer, bytes):
+            peer = repr(peer[:64])
+        self._peer_log.warn(time.monotonic(), peer, reason, msg, *args)
 
     def _within_rate(self, ident: bytes, now: float) -> bool:
         """Token bucket per identity (`security.RateLimiter`): `max_msgs_per_s`, bursts of one second's."""
         ok = self.limiter.allow(ident, now)
         if not ok:
             self.counters["rate_limited"] += 1
-            if self.counters["rate_limited"] % 1000 == 1:
-                log.warning("device %r: over %.0f messages/s; dropping", ident, self.max_msgs_per_s)
+            self._warn(ident, "rate_limited", "device %r: over %.0f messages/s; dropping", ident, self.max_msgs_per_s)
         return ok
 
     def _from_frontend(self, frames: list, t_arr: float) -> None:
@@ -323,15 +469,36 @@ class ChannelProxy:
             name = sender_name(frames[1])
             if not name:
                 self.counters["refused_identity"] += 1
-                self._warn("dropped a message from identity %r: no authenticated name", ident)
+                self._warn(ident, "no_name", "dropped a message from identity %r: no authenticated name", ident)
                 return
             key = name.encode()
-            if self.routes.get(key, key) != ident and (key not in self.routes or claims_route(name, _header(frames))):
-                self.routes[key] = ident  # replies to the name go to the connection that last registered it
+            holder = self.routes.get(key)
+            if holder is None:
+                self.routes[key] = ident  # the first connection heard from holds the name
+            elif holder != ident:
+                # A second connection with the name's key (a restarted device, or a copy of its key file): its
+                # `register` goes to the edge as a claim, and the replies move to it only once the edge answers
+                # `registered` (`_claimed`); anything else from it is refused, so it cannot cut the holder out.
+                if not claims_route(name, _header(frames)):
+                    self.counters["duplicate_key"] += 1
+                    self._warn(ident, "duplicate_key", "the key of %r is in use by another connection (%r); "
+                               "refused", name, ident)
+                    try:
+                        self.frontend.send_multipart([ident, *M.error(
+                            f"the key of {name!r} is in use by another connection, which holds its session; "
+                            "refused")], copy=False)
+                    except zmq.ZMQError:
+                        pass
+                    return
+                self.claims[key] = ident
             ident = key
         if not self._within_rate(ident, t_arr):
             return
         self.last_seen[ident] = t_arr
+        if ident not in self.registered and len(frames) > 1 and b'"register"' in frames[1].bytes[:4096]:
+            header = _header(frames)
+            if header is not None and header.get("type") == "register":
+                self.registering.add(ident)  # an unregistered identity that asks to be one: reaped after garbage
         self._handle("ul", ident, frames[1:], t_arr)
         if ident not in self.dealers:  # refused (no routing id, the cap): it keeps nothing here
             self._forget(ident)
@@ -350,6 +517,9 @@ class ChannelProxy:
             except ProtocolError as exc:
                 self.counters["malformed"] += 1
                 log.debug("forwarding malformed message from %r unchanged: %s", ident, exc)
+        if direction == "dl" and header is not None and header.get("type") == REGISTERED:
+            self.registered.add(ident)  # the edge admitted it: its DEALER is kept like a device's
+            self.registering.discard(ident)
         if header is None or header.get("air") not in DIRECTIONS:
             self.counters["passed"] += 1
             if header is not None and "channel" in header:
@@ -373,6 +543,13 @@ class ChannelProxy:
             self.markers[(direction, ident)] = t_arr
             self.counters["markers"] += 1
             return
+        if direction == "ul" and self.mode == "real":
+            nbytes = sum(len(f) for f in body)
+            if self.held_bytes[ident] + nbytes > self.max_held_bytes:
+                self.counters["held_bytes_cap"] += 1
+                self._warn(ident, "held_bytes_cap", "device %r: %d bytes held for their air time, %d more would "
+                           "pass the cap of %d; dropped", ident, self.held_bytes[ident], nbytes, self.max_held_bytes)
+                return
         self._charge(direction, ident, body, h, t_arr)
 
     def _charge(self, direction: str, ident: bytes, body: list, h: int, t_arr: float) -> None:
@@ -413,6 +590,8 @@ class ChannelProxy:
         # could otherwise give a later message an earlier deadline).
         deadline = max(deadline, self.link_release.get(link, deadline)) if self.held_on_link[link] else deadline
         self.held_on_link[link] += 1
+        if direction == "ul":
+            self.held_bytes[ident] += sum(len(f) for f in body)
         self.link_release[link] = deadline
         heapq.heappush(self.heap, (deadline, next(self.seq), direction, ident, body, h, t_arr, ref, info))
 
@@ -443,15 +622,37 @@ class ChannelProxy:
             if direction == "ul":
                 self.dealers[ident].send_multipart(body, copy=False)
             else:
-                self.frontend.send_multipart([self.routes.get(ident, ident), *body], copy=False)
+                self.frontend.send_multipart([self._route_for_reply(ident, body), *body], copy=False)
         except (zmq.ZMQError, KeyError) as exc:  # the device left (or was reaped) meanwhile
             self.counters["undeliverable"] += 1
             log.info("could not forward to %r (%s): %s", ident, direction, exc)
+
+    def _route_for_reply(self, ident: bytes, body: list) -> bytes:
+        """The connection an edge message for `ident` goes to: its holder's; with a claim pending (a second
+        connection's `register`), the edge's `registered` moves the name to the claimant, and its refusal ("name
+        in use") goes to the claimant, which asked; everything else stays with the holder."""
+        route = self.routes.get(ident, ident)
+        if ident in self.claims:
+            h = 1 if len(body) > 1 and len(body[0]) == 0 else 0
+            try:
+                header = decode_header(body[h].bytes)
+            except (ProtocolError, IndexError):
+                header = None
+            kind = header.get("type") if header else None
+            if kind == REGISTERED:
+                route = self.routes[ident] = self.claims.pop(ident)
+                self.counters["route_moved"] += 1
+                log.info("device %r: registered from another connection; replies go there", ident)
+            elif kind == ERROR and "name in use" in str(header.get("message", "")):
+                route = self.claims.pop(ident)
+        return route
 
     def _deliver_due(self) -> None:
         while self.heap and self.heap[0][0] <= time.monotonic():
             deadline, _, direction, ident, body, h, t_arr, ref, info = heapq.heappop(self.heap)
             self.held_on_link[(direction, ident)] -= 1
+            if direction == "ul" and ident in self.held_bytes:
+                self.held_bytes[ident] = max(0, self.held_bytes[ident] - sum(len(f) for f in body))
             self._release(direction, ident, body, h, t_arr, ref, deadline, info)
 
     # -- control -------------------------------------------------------------------------------------
@@ -473,7 +674,7 @@ class ChannelProxy:
             who = check_identity(EDGE_CLIENT, frame)
             if who is not None:
                 self.counters["control_refused"] += 1
-                self._warn("refused a control request: %s", who)
+                self._warn("control", "control_refused", "refused a control request: %s", who)
                 return {"ok": False, "error": "only the edge may use the control socket"}
         try:
             msg = decode_header(frame.bytes)
@@ -482,7 +683,7 @@ class ChannelProxy:
         if self.control_token is not None and not hmac.compare_digest(
                 str(msg.get("token", "")).encode(), self.control_token.encode()):
             self.counters["control_refused"] += 1
-            self._warn("refused a control request without the right token")
+            self._warn("control", "control_token", "refused a control request without the right token")
             return {"ok": False, "error": "control request refused: missing or wrong token"}
         kind = msg.get("type")
         if kind == "configure":
@@ -508,6 +709,7 @@ class ChannelProxy:
             return {"ok": True, "mode": self.mode, "round": self.config["round"],
                     "dl_access": self.config["dl_access"], "held": len(self.heap),
                     "devices": sorted(i.decode("utf-8", "replace") for i in self.dealers),
+                    "registered": len(self.registered), "connections": len(self.conns),
                     "counters": dict(self.counters), "links": links}
         if kind == "stop":
             self.running = False
@@ -535,17 +737,90 @@ class ChannelProxy:
                         except zmq.Again:
                             break
                         t_arr = time.monotonic()
+                        if sock is self.monitor:
+                            self._conn_event(frames)
+                            continue
                         if sock is self.control:
                             self.control.send(self._control_reply(frames[0]))
                             break
                         self._guarded(sock, frames, t_arr)
                         self._deliver_due()
+                self._check_files()
                 self._peer_log.flush(time.monotonic())  # a flood that stopped is still reported
-                if time.monotonic() - self._last_reap > 10.0:
+                if time.monotonic() - self._last_reap > min(10.0, self.unregistered_idle_s / 2):
                     self._last_reap = time.monotonic()
                     self._reap(self._last_reap)
         finally:
+            self._peer_log.flush(time.monotonic(), force=True)
             self.close()
+
+    def connection_cap(self) -> int:
+        """Frontend connections kept: `max_connections` plus one per registered device, up to `max_identities`."""
+        return min(self.max_identities, self.max_connections + len(self.registered))
+
+    def _conn_event(self, frames: list) -> None:
+        """A frontend monitor event: a connection accepted (its file) or gone."""
+        try:
+            event, fd = struct.unpack("=Hi", frames[0].bytes[:6])
+        except (struct.error, IndexError):
+            return
+        if event == zmq.EVENT_ACCEPTED:
+            self.conns[fd] = time.monotonic()
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.conns.pop(fd, None)
+
+    def _check_files(self) -> None:
+        """At most every 50 ms: over the connection cap (by the monitor's count, which may lose events under a
+        flood, or by this process's open files past 60 % of its limit), shut the idlest connections down."""
+        now = time.monotonic()
+        if now - self._files_checked < 0.05:
+            return
+        self._files_checked = now
+        over = len(self.conns) > self.connection_cap()
+        if not over and self.files is not None:
+            try:
+                over = len(os.listdir("/proc/self/fd")) > 0.5 * self.files
+            except OSError:
+                pass
+        if over:
+            self._reap_connections()
+
+    def _frontend_fds(self) -> list[int]:
+        """This process's files that are frontend connections (Linux: /proc/self/fd), the monitor's too."""
+        try:
+            fds = {int(f) for f in os.listdir("/proc/self/fd")}
+        except OSError:
+            return list(self.conns)
+        return sorted(fds | set(self.conns))
+
+    def _reap_connections(self) -> None:
+        """Over `max_connections` frontend connections (a flood of identities that connect and stay): shut the
+        idlest down to 90 % of the cap, so that the process keeps files for an honest newcomer (ZeroMQ cannot
+        accept a connection, nor open its DEALER, without one). A connection older than CONN_PROTECT_AGE_S that
+        carried data within CONN_ACTIVE_S (a device that heartbeats) goes last; a fresh one that is idle, or
+        one idle for long, first. Only tcp connections (an ipc frontend is reached by local processes only)."""
+        if self.frontend_port is None:
+            return
+        now, ranked = time.monotonic(), []
+        for fd in self._frontend_fds():
+            got = tcp_idle_s(fd)
+            if got is None or got[1] != self.frontend_port:
+                self.conns.pop(fd, None)  # closed meanwhile (its event is on the way), or the file was reused
+                continue
+            idle, accepted = got[0], self.conns.setdefault(fd, now)
+            ranked.append((now - accepted >= CONN_PROTECT_AGE_S and idle < CONN_ACTIVE_S, -idle, fd))
+        ranked.sort()
+        cap = self.connection_cap()
+        excess = len(ranked) - int(0.9 * cap)
+        shut = 0
+        for _, _, fd in ranked[:max(0, excess)]:
+            if shut_down(fd, self.frontend_port):
+                shut += 1
+            self.conns.pop(fd, None)
+        if shut:
+            self.counters["connections_shut"] += shut
+            self._warn("(frontend)", "connections_shut", "%d frontend connections over the cap of %d: shut the "
+                       "idlest down", len(ranked), cap)
 
     def _guarded(self, sock: zmq.Socket, frames: list, t_arr: float) -> None:
         """Handle one message; whatever it holds, the emulator keeps serving (one log line per failure)."""
@@ -556,10 +831,15 @@ class ChannelProxy:
                 self._handle("dl", self.dealer_ident[sock], frames, t_arr)
         except Exception as exc:  # noqa: BLE001 - a message must never stop the emulator
             self.counters["errors"] += 1
-            self._warn("dropped a message that failed to forward: %s: %s", type(exc).__name__, exc)
+            self._warn("(any)", "errors", "dropped a message that failed to forward: %s: %s",
+                       type(exc).__name__, exc)
 
     def close(self) -> None:
-        for sock in [self.frontend, self.control, *self.dealers.values()]:
+        try:
+            self.frontend.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        for sock in [self.monitor, self.frontend, self.control, *self.dealers.values()]:
             sock.close(linger=0)
         if self._own_ctx:
             stop_authenticators(self.ctx)
@@ -568,7 +848,8 @@ class ChannelProxy:
 
 def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: str = "real",
               spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, log_level: str | None = None,
-              keys_dir: str | None = None, control_token: str | None = None) -> None:
+              keys_dir: str | None = None, control_token: str | None = None,
+              unregistered_idle_s: float = UNREGISTERED_IDLE_S) -> None:
     """Blocking: serve until a ``stop`` control request. Usable as a multiprocessing/subprocess target.
     The control token defaults to the environment's ``MULTISPIN_CHANNEL_TOKEN`` (unset: none required)."""
     if log_level:
@@ -576,7 +857,8 @@ def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: st
     token = control_token if control_token is not None else os.environ.get(TOKEN_ENV) or None
     fd_limit(raise_soft=True)  # a process of its own: as many identities as the host allows, up to MAX_IDENTITIES
     ChannelProxy(frontend_bind, edge_connect, control_bind, mode=mode, spin_s=spin_s,
-                 marker_ttl_s=marker_ttl_s, keys_dir=keys_dir, control_token=token).run()
+                 marker_ttl_s=marker_ttl_s, keys_dir=keys_dir, control_token=token,
+                 unregistered_idle_s=unregistered_idle_s).run()
 
 
 class ChannelControl:
@@ -673,6 +955,8 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     p.add_argument("--mode", choices=MODES, default="real", help="real: hold messages; virtual: annotate only")
     p.add_argument("--spin-s", type=float, default=DEFAULT_SPIN_S, help="busy-wait window before a deadline (s)")
     p.add_argument("--marker-ttl-s", type=float, default=5.0, help="ignore tx_start markers older than this")
+    p.add_argument("--unregistered-idle-s", type=float, default=UNREGISTERED_IDLE_S,
+                   help="close the DEALER of an identity the edge never registered after this long idle (s)")
     p.add_argument("--keys", default=None,
                    help="key directory (multispin keys generate): CURVE on the frontend, control and edge links")
     return p
@@ -682,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_proxy(args.frontend, args.edge, args.control, mode=args.mode, spin_s=args.spin_s,
-              marker_ttl_s=args.marker_ttl_s, keys_dir=args.keys)
+              marker_ttl_s=args.marker_ttl_s, keys_dir=args.keys, unregistered_idle_s=args.unregistered_idle_s)
     return 0
 
 

@@ -90,6 +90,14 @@ class OnnxDrafter:
         self._last_drafts: list[int] | None = None
         self.last_logits: np.ndarray | None = None
 
+    def prefill(self) -> None:
+        """Feed the pending committed tokens but the last into the cache now (a session's prompt, between its
+        registration and its first schedule): round 0's draft then costs what every round's does, one pending
+        token and a forward per draft, instead of also the prompt's prefill. The drafts are the same."""
+        if self._last_drafts is None and len(self._pending) > 1:
+            self._feed(self._pending[:-1])
+            self._pending = self._pending[-1:]
+
     @property
     def context(self) -> list[int]:
         """All committed tokens (prompt + accepted drafts + corrections/bonuses)."""

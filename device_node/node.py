@@ -15,6 +15,9 @@ Robustness (a LAN is shared, edges restart):
 - when the edge announces heartbeats (``registered.heartbeat_s``), the device sends a `heartbeat` whenever
   it sent nothing for that period, and leaves with `ExitCode.EDGE_GONE` when the edge was silent for
   ``liveness`` periods; with ``reconnect`` it reopens the socket and registers again until the edge returns.
+  Heartbeats do not depend on compute: while the device drafts (the emulated slowdown included) or waits for
+  its turn on a shared host, it lends its socket to a heartbeat thread (`testbed.runtime.heartbeat.HeartbeatThread`)
+  that sends them when due; what the edge sends meanwhile waits in the socket and is read right after.
   A device that was itself away (stopped, a suspended laptop: its loop ran late) first reads what its socket
   holds, waiting up to one period for it, before it judges the edge: the edge's messages may be waiting;
 - an edge that ended this device's session (it was silent past the window) refuses its messages as "not
@@ -41,6 +44,7 @@ import logging
 import math
 import sys
 import time
+from contextlib import ExitStack
 
 import numpy as np
 import zmq
@@ -53,7 +57,7 @@ from device_node.options import EPILOG, ExitCode, add_arguments
 from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
 from testbed.core.vocabulary import DL, UPLINK
 from testbed.runtime import timeline
-from testbed.runtime.heartbeat import Heartbeat, PeerTimes
+from testbed.runtime.heartbeat import Heartbeat, HeartbeatThread, PeerTimes
 from testbed.runtime.security import ClientKeys, SecurityError, make_client
 from testbed.runtime.waiting import Rehearsal, wait_readable
 from testbed.wire import messages as M
@@ -62,6 +66,10 @@ from testbed.wire.protocol import ProtocolError
 
 log = logging.getLogger("multispin.device")
 
+# Before registering, a device times its drafter (`time_drafting`): one warm-up draft, then this many tokens.
+CALIBRATE_TOKENS = 8
+CALIBRATE_DRAFTS = 2  # timed drafts (the median), each after CALIBRATE_PAUSE_S idle, as a round's follows a wait
+CALIBRATE_PAUSE_S = 0.03
 REGISTER_RETRY_S = 1.0       # first resend of `register` after this long without an answer ...
 REGISTER_RETRY_MAX_S = 8.0   # ... doubling up to this (an edge that returns is found within ~8 s)
 
@@ -87,8 +95,12 @@ class DeviceNode:
                  register_timeout_s: float = 120.0, idle_timeout_s: float = 300.0, tx_marker: bool = True,
                  keys: ClientKeys | None = None, reconnect: bool = False,
                  register_retry_s: float = REGISTER_RETRY_S, register_retry_max_s: float = REGISTER_RETRY_MAX_S,
-                 link_probe: BackgroundProbe | None = None, gate: Gate | None = None, busy_poll: bool = False):
+                 link_probe: BackgroundProbe | None = None, gate: Gate | None = None, busy_poll: bool = False,
+                 calibrate_tokens: int = CALIBRATE_TOKENS):
         self.connect, self.name, self.drafter = connect, name, drafter
+        # Drafting time per token, timed once before the first registration (0 tokens: not timed, not sent).
+        self.calibrate_tokens = int(calibrate_tokens)
+        self.draft_time_s: float | None = None
         # Several devices in one process (`device_node.host`) handle their messages one at a time.
         self.gate = gate or OPEN
         self.busy_poll = busy_poll  # `testbed.runtime.waiting`: a core for no kernel wake-up per message
@@ -118,6 +130,8 @@ class DeviceNode:
         self._t_recv = 0.0  # when the message in hand was received (monotonic; `testbed.runtime.timeline`)
         self._frames_in: list = []  # the message in hand (a verdict's are kept for `rehearsal`)
         self.rehearsal = Rehearsal(busy_poll)  # the last verdict's decode and checks, rerun while busy-polling
+        # Sends the heartbeats due while this device drafts or waits for its turn on a shared host (`lent`).
+        self.beats = HeartbeatThread(self._beat_while_lent, M.DEFAULT_HEARTBEAT_S / 4, name=f"{name}-heartbeats")
 
     # -- transport ------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -152,6 +166,12 @@ class DeviceNode:
         except zmq.Again:
             pass
 
+    def _beat_while_lent(self) -> None:
+        """The heartbeat thread's work while this device computes: a heartbeat when one is due."""
+        if self.heartbeat_s is not None and self.sock is not None \
+                and Heartbeat(self.heartbeat_s, self.liveness).due(self.peer, time.monotonic()):
+            self._heartbeat()
+
     def _recv(self, timeout_s: float) -> tuple[dict, dict] | None:
         """The next message, decoded; None on timeout or when the message was refused (logged)."""
         if not self.sock.poll(max(0, int(timeout_s * 1000))):
@@ -170,6 +190,7 @@ class DeviceNode:
     # -- life cycle -----------------------------------------------------------------------------
     def run(self) -> ExitCode:
         """Register, then serve schedules until the edge says bye. Returns the process exit code."""
+        self.draft_time_s = self._calibrate()
         deadline = time.monotonic() + self.register_timeout_s
         while True:
             code = self._register(deadline)
@@ -196,6 +217,7 @@ class DeviceNode:
                 deadline = None  # --reconnect: until the edge returns
 
     def close(self) -> None:
+        self.beats.close()
         self.sock.close(linger=0)
 
     def _register(self, deadline: float | None) -> ExitCode | None:
@@ -210,7 +232,7 @@ class DeviceNode:
                 self._open()
             first = False
             self._send(M.register(self.name, self.drafter.vocab_size, self.hardware.to_dict(),
-                                  features=(M.SCHEDULE_IN_VERDICT,)))
+                                  features=(M.SCHEDULE_IN_VERDICT,), draft_time_s=self.draft_time_s))
             until = time.monotonic() + retry
             if deadline is not None:
                 until = min(until, deadline)
@@ -248,6 +270,31 @@ class DeviceNode:
             log.info("%s: no answer from the edge at %s yet; registering again", self.name, self.connect)
             retry = min(2 * retry, self.register_retry_max_s)
 
+    def _calibrate(self) -> float | None:
+        """This device's drafting time per token as the rounds will measure it (`time_drafting`, on a shared host
+        inside the gate, its CPU time), times its hardware's `compute_scale` (the emulated slowdown, not slept
+        here); None when not asked for, or when the drafter fails (the edge then plans on its prior)."""
+        if self.calibrate_tokens < 1:
+            return None
+        hosted = self.gate is not OPEN
+        try:
+            with self.gate:
+                t0 = time.perf_counter()
+                per_token = time_drafting(self.drafter, self.calibrate_tokens, hosted=hosted)
+                took = time.perf_counter() - t0
+        except Exception as exc:  # the rounds will tell the same drafter's trouble; registering matters more
+            log.warning("%s: could not time the drafter (%s: %s); the edge plans on its prior", self.name,
+                        type(exc).__name__, exc)
+            return None
+        value = per_token * self.hardware.compute_scale
+        lo, hi = M.DRAFT_TIME_RANGE_S
+        if not lo <= value <= hi:
+            log.warning("%s: drafting timed at %.3g s/token, outside [%g, %g]: not sent", self.name, value, lo, hi)
+            return None
+        log.info("%s: drafting timed at %.3f ms/token (x compute_scale %g) in %.2f s", self.name, 1e3 * value,
+                 self.hardware.compute_scale, took)
+        return value
+
     def _serve(self) -> ExitCode:
         """Serve the session until bye or a fatal error; raises _EdgeLost when the edge goes silent, _SessionEnded
         when the edge says this device has no session there."""
@@ -274,7 +321,10 @@ class DeviceNode:
                 frames = self.sock.recv_multipart(copy=False)
                 self._t_recv = time.monotonic()
                 t_recv = time.perf_counter()
-                with self.gate:
+                with ExitStack() as gate:
+                    if self.gate is not OPEN:
+                        with self.beats.lent():  # the other devices of the process may hold it for long
+                            gate.enter_context(self.gate)
                     self._gate_wait_s = time.perf_counter() - t_recv  # the other devices' work, not ours
                     code = self._handle(frames)
                 if code is not None:
@@ -361,13 +411,28 @@ class DeviceNode:
         # Heartbeats only with an edge that announces them: an older edge would refuse them, and sends none.
         self.heartbeat_s = reg.heartbeat_s if "heartbeat_s" in header else None
         self.liveness = reg.liveness
+        if self.heartbeat_s is not None:
+            self.beats.tick_s = self.heartbeat_s / 4
         self.committed = list(reg.prompt_ids)  # prompt + every output token, in order
         self.drafter.reset(self.committed)
+        self._prefill()
         self.pending = None
         self.peer.heard()
         log.info("%s: session %s, prompt of %d tokens%s", self.name, self.session, len(self.committed),
                  "" if self.heartbeat_s is None else
                  f", heartbeat {self.heartbeat_s:g} s, liveness {self.liveness}")
+
+    def _prefill(self) -> None:
+        """The prompt into the drafter's cache before round 0's schedule (a drafter that can: `prefill`), so
+        that round 0's drafting time is a round's, as the device's calibration timed it."""
+        prefill = getattr(self.drafter, "prefill", None)
+        if prefill is None:
+            return
+        try:
+            prefill()
+        except Exception as exc:  # round 0 then prefills as it drafts
+            log.warning("%s: prefill failed (%s: %s)", self.name, type(exc).__name__, exc)
+            self.drafter.reset(self.committed)
 
     def _end_session(self) -> None:
         self.session, self.pending, self.heartbeat_s = None, None, None
@@ -404,7 +469,8 @@ class DeviceNode:
         # Sampled through the wire precision: draft.q is exactly what the edge rebuilds from the upload. A top-k
         # round drafts from q truncated to its top k (DraftParams), the q a top-k upload carries.
         params = DraftParams.of(self.params, sched.topk)
-        draft = self.drafter.draft(sched.draft_len, params, generator, wire_bits=self.bits)
+        with self.beats.lent():  # drafting may outlast the liveness window: heartbeats go on
+            draft = self.drafter.draft(sched.draft_len, params, generator, wire_bits=self.bits)
         compute_s = time.perf_counter() - t0
         timeline.stamp("device: drafted")
         if hosted:
@@ -415,7 +481,8 @@ class DeviceNode:
         # Emulated slower hardware: sleep the extra (scale - 1) x the measured compute (with the gate open:
         # other devices of the process work meanwhile; the wait to get it back is theirs, not ours).
         extra_s = (self.hardware.compute_scale - 1.0) * compute_s
-        regate_s = self.gate.sleep(extra_s) if extra_s > 0 else 0.0
+        with self.beats.lent():
+            regate_s = self.gate.sleep(extra_s) if extra_s > 0 else 0.0
         # hosted: a late wake-up from that sleep is the busy host's too
         draft_s = compute_s + extra_s if hosted else time.perf_counter() - t0 - regate_s
         self.pending = (sched, draft)  # q float64: never rounded again
@@ -518,6 +585,31 @@ class DeviceNode:
         """The latest link reading for the edge (None without a probe or before its first reading)."""
         m = None if self.link_probe is None else self.link_probe.latest()
         return None if m is None else link_reading(m)
+
+
+def time_drafting(drafter: Drafter, tokens: int = CALIBRATE_TOKENS, *, hosted: bool = False,
+                  wire_bits: int = 16) -> float:
+    """Seconds per token of a round's drafting with this drafter: one warm-up draft on a short synthetic
+    context (it also prefills), a rejection committed, then one timed draft of `tokens` tokens through the wire
+    precision (a round's draft: one pending token fed, then a forward per draft but the last, each row
+    sampled), `CALIBRATE_DRAFTS` times after an idle pause each (a round's drafting follows a wait for the
+    verdict); the median. `hosted` (a shared host): the thread's CPU time when shorter than the wall clock, as
+    in rounds. Leaves the drafter reset to that context: a session starts with `reset` of its prompt anyway."""
+    vocab = int(drafter.vocab_size)
+    context = [(7 * i + 1) % vocab for i in range(16)]
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    drafter.reset(context)
+    drafter.draft(tokens, params, rng, wire_bits=wire_bits)
+    times = []
+    for _ in range(CALIBRATE_DRAFTS):
+        drafter.commit(0, context[-1])
+        time.sleep(CALIBRATE_PAUSE_S)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        drafter.draft(tokens, params, rng, wire_bits=wire_bits)
+        took = time.perf_counter() - t0
+        times.append(min(took, time.thread_time() - cpu0) if hosted else took)
+    drafter.reset(context)
+    return float(np.median(times)) / tokens
 
 
 def link_reading(m: LinkMeasurement, now: float | None = None) -> dict:

@@ -8,11 +8,12 @@ Pure logic (no sockets, no clocks): the edge server feeds it observations and as
   `topk_acceptance_ratio[k]` x the device's dense alpha; the plan gets them per option (`core.payload`).
 - t_k: median of the last `draft_time_window` device-reported drafting times per token (they include the
   emulated slowdown; a median because a shared CPU adds rare long stalls), seeded from the profile's
-  draft_time_s times the device's compute_scale.
+  draft_time_s times the device's compute_scale, or (`calibrate`) the device's own timing at registration.
 - g_k: from the channel state (`testbed.channel.state.ChannelState`) per round, or the scenario's static
   gains.
 - T_ver = t0 + t1 * sum(L+1): least-squares refit from the measured verification times once there are
-  enough rounds with different batch sizes.
+  enough rounds with different batch sizes; until then the profile's t0, t1, or (`calibrate`) those timed on
+  the target before round 0 (`edge_node.calibration`).
 - H (header bits): seeded from the wire format (`seed_header_bits`), then refitted from what the channel
   charged for draft uploads, from the DL-mode uploads when there are any (see `observe_upload`).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,7 +36,7 @@ import numpy as np
 
 from testbed.core import payload
 from testbed.core.model import distribution_bits, evaluate
-from testbed.core.optimizer import DevicePlan, InfeasiblePlanError, Plan, plan
+from testbed.core.optimizer import BuiltinPolicy, DevicePlan, InfeasiblePlanError, Plan, plan
 from testbed.core.policy import DeviceResult, PolicyError, RoundOutcome, policy_name
 from testbed.core.scenario import Scenario
 from testbed.core.vocabulary import (
@@ -46,10 +48,15 @@ from testbed.runtime.energy import EnergyLedger, add_device_energy, add_round_en
 from testbed.runtime.errors import TestbedError
 
 log = logging.getLogger("multispin.controller")
-# Where a round goes when the profile's policy finds no feasible schedule, or a plug-in policy's decision
-# cannot be used (`PolicyError`): DL mode uploads only token ids and one probability per token, the
-# cheapest upload there is. The round record says why (`fallback`).
+# Where a round goes when the profile's policy finds no feasible schedule, or (with `on_plugin_error:
+# fallback`) a plug-in policy raised or its decision cannot be used (`PolicyError`): DL mode uploads only token
+# ids and one probability per token, the cheapest upload there is. The profile's `fallback_policy` names
+# another. The round record says why (`fallback`, with its `kind`: FALLBACK_KINDS).
 FALLBACK_POLICY = "all-dl"
+# Why a round was not planned as the profile says (the record's `fallback.kind`; `channel_fallback` for the
+# channel source), counted per kind in summary.json's `fallbacks`.
+FALLBACK_KINDS = ("infeasible", "plugin_error", "policy_error", "channel_source_error")
+ON_PLUGIN_ERROR = ("stop", "fallback")
 
 
 @dataclass
@@ -61,6 +68,7 @@ class DeviceEstimate:
     trials: float = 0.0
     rounds_timed: int = 0
     recent: list = field(default_factory=list)
+    calibrated: bool = False  # draft_time_s is the device's own timing at registration, not the prior
 
     @property
     def alpha(self) -> float:
@@ -90,6 +98,13 @@ class RoundPlan:
     sat_out: dict[str, str] = field(default_factory=dict)     # name -> why it is not in this round
     # name -> energy constants and budgets for the record (`testbed.runtime.energy.EnergyLedger.budgeted`)
     energy: dict[str, dict] = field(default_factory=dict)
+    # The channel source raised and `on_plugin_error: fallback` planned with the scenario's static gains:
+    # {source, error, reason, gains: "static"} (the record's `channel_fallback`).
+    channel_fallback: dict | None = None
+    # name -> why its gain is the mean path loss at distance_m (its channel state gave no gain, SNR or rate).
+    gain_fallback: dict[str, str] = field(default_factory=dict)
+    # Which estimates are still priors and which are fits (`Controller.estimates_from`; the record's field).
+    estimates_from: dict = field(default_factory=dict)
 
     @property
     def topk(self) -> int | None:
@@ -124,14 +139,25 @@ class Controller:
     def __init__(self, scenario: Scenario, *, policy="proposed", fixed_length: int = 4, seed: int = 0,
                  channel_state=None, compute_scale: dict[str, float] | None = None,
                  alpha_prior_trials: float = 8.0, draft_time_window: int = 10, fit_verify_after: int = 5,
-                 pin_mode: str | None = None, pin_draft_len: int | None = None, fit_round_overhead: bool = True):
+                 pin_mode: str | None = None, pin_draft_len: int | None = None, fit_round_overhead: bool = True,
+                 on_plugin_error: str = "stop", fallback_policy: str = FALLBACK_POLICY,
+                 policy_params: dict | None = None, calibrate: bool = False):
         self.base = scenario
+        # Calibration before round 0 (`calibrate_draft_time`, `calibrate_verify`): False keeps the priors.
+        self.calibrate = bool(calibrate)
+        # What calibration measured: {"draft_time_s": {name: s/token}, "verify": {t0, t1, shapes, took_s}}
+        self.calibration: dict = {"draft_time_s": {}, "verify": None}
         self.pin_mode, self.pin_draft_len = pin_mode, pin_draft_len
-        # policy: a name (built-in, module:Class, an entry point; testbed.runtime.plugins) or a Policy object
+        # policy: a name (built-in, module:Class, an entry point; testbed.runtime.plugins) or a Policy object;
+        # `policy_params`: a plug-in's parameters (the profile's policy_params[policy])
         from testbed.runtime.plugins import load_policy
 
-        self.policy_impl = load_policy(policy) if isinstance(policy, str) else policy
+        self.policy_impl = load_policy(policy, policy_params) if isinstance(policy, str) else policy
         self.policy = policy if isinstance(policy, str) else policy_name(policy)
+        if on_plugin_error not in ON_PLUGIN_ERROR:
+            raise TestbedError(f"on_plugin_error: {on_plugin_error!r} is not allowed: {' or '.join(ON_PLUGIN_ERROR)}")
+        # A plug-in that raises: stop the run (PluginFailure), or plan that round without it ("fallback").
+        self.on_plugin_error, self.fallback_policy = on_plugin_error, fallback_policy
         self.fixed_length, self.seed = fixed_length, seed
         self.previous: RoundOutcome | None = None  # the latest closed round, for the policy (`observe_outcome`)
         self.channel_state = channel_state
@@ -146,6 +172,7 @@ class Controller:
         self.prior_trials = float(alpha_prior_trials)
         self.topk_trials: dict[tuple[str, int], list[float]] = {}  # (name, k) -> [successes, trials]
         self.t0, self.t1 = scenario.verify_t0_s, scenario.verify_t1_s
+        self.verify_from = "prior"  # | "calibrated" (`calibrate_verify`) | "one_size" | "fit" | "origin"
         # Observation windows are bounded: an edge runs for days, and only the recent ones are used.
         self._verify_obs: deque[tuple[float, float]] = deque(maxlen=200)
         # T_0 (spec section 4): the round's fixed overhead (messages, scheduling) the model does not see.
@@ -154,6 +181,7 @@ class Controller:
         self._overhead_obs: deque[float] = deque(maxlen=20)
         # Protocol header bits per message: measured from what the channel charged for draft uploads.
         self.header_bits = scenario.header_bits
+        self.header_from = "scenario" if scenario.header_bits else "none"  # | "wire_prior" | "fit_dl" | "fit_all"
         self._header_obs: deque[float] = deque(maxlen=50)
         self._header_obs_dl: deque[float] = deque(maxlen=50)  # DL-mode uploads only (see observe_upload)
         # Rates the edge measured on a real link (`channel.measure_links`): name -> {"ul": bit/s or None,
@@ -170,6 +198,28 @@ class Controller:
         if self.channel_state is None:
             return dict(self.static_gains)
         return self.channel_state.gains_db(round_index, t_s)
+
+    def _round_gains(self, round_index: int, t_s: float) -> tuple[dict[str, float], dict | None]:
+        """(gains, channel fallback): a plug-in channel source that raises (or answers unusably) stops the
+        run (`PluginFailure`), or with `on_plugin_error: fallback` this round is planned on the scenario's
+        static gains and the second item says why."""
+        cs = self.channel_state
+        if cs is None or _builtin_source(cs):
+            return self.gains_db(round_index, t_s), None
+        try:
+            return self.gains_db(round_index, t_s), None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            from testbed.runtime.plugins import PluginFailure
+
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            if self.on_plugin_error == "stop":
+                log.error("round %d: channel source %r raised; stopping the run\n%s", round_index, cs.source, tb)
+                raise PluginFailure("channel source", cs.source, round_index, error, tb) from exc
+            log.warning("round %d: channel source %r: %s; planning this round on the scenario's static gains "
+                        "(on_plugin_error: fallback)\n%s", round_index, cs.source, error, tb)
+            return dict(self.static_gains), {"kind": "channel_source_error", "source": cs.source,
+                                             "error": type(exc).__name__, "reason": str(exc), "gains": "static"}
 
     def observe_acceptance(self, name: str, n_accepted: int, draft_len: int, topk: int | None = None) -> None:
         """A round's accepted count; `topk`: the round drafted from the top-k truncated q (its own alpha)."""
@@ -201,6 +251,30 @@ class Controller:
         e.recent = (e.recent + [draft_s / draft_len])[-self.window:]
         e.draft_time_s = statistics.median(e.recent)  # np.median's value, at a tenth of its cost per round
 
+    def calibrate_draft_time(self, name: str, draft_time_s: float | None) -> bool:
+        """A device's own timing of its drafting (s/token, its slowdown included; `register.draft_time_s`):
+        its t_k until its rounds give a median (its first round, the prefill, is not one). Ignored without
+        `calibrate`, and once its rounds were timed. Returns whether it was taken."""
+        if (not self.calibrate or name not in self.est or draft_time_s is None
+                or not (math.isfinite(draft_time_s) and draft_time_s > 0)):
+            return False
+        self.calibration["draft_time_s"][name] = float(draft_time_s)
+        e = self.est[name]
+        if e.rounds_timed > 1:
+            return False
+        e.draft_time_s, e.calibrated = float(draft_time_s), True
+        return True
+
+    def calibrate_verify(self, result: dict | None) -> bool:
+        """t_0, t_1 timed on the target before round 0 (`edge_node.calibration.calibrate_verification`): the
+        verification model until the online fit (`observe_verify`) replaces it. Ignored without `calibrate`."""
+        if not self.calibrate or not result:
+            return False
+        self.calibration["verify"] = result
+        self.t0, self.t1 = float(result["verify_t0_s"]), float(result["verify_t1_s"])
+        self.verify_from = "calibrated"
+        return True
+
     def observe_verify(self, positions: int, verify_s: float) -> None:
         self._verify_obs.append((float(positions), float(verify_s)))
         obs = list(self._verify_obs)
@@ -215,12 +289,15 @@ class Controller:
             # prior's slope says (the intercept would go below 0) gets the line through the origin instead.
             t0 = float(y[0] - self.t1 * x[0])
             self.t0, self.t1 = (t0, self.t1) if t0 >= 0 else (0.0, float(y[0] / x[0]))
+            self.verify_from = "one_size" if t0 >= 0 else "origin"
             return
         t1, t0 = np.polyfit(x, y, 1)
         if t1 >= 0 and t0 >= 0:
             self.t0, self.t1 = float(t0), float(t1)
+            self.verify_from = "fit"
         else:  # a negative fit would make the model nonsense; fall back to a line through the origin
             self.t0, self.t1 = 0.0, float(max(0.0, np.sum(x * y) / np.sum(x * x)))
+            self.verify_from = "origin"
 
     def observe_round(self, measured_round_s: float, predicted_round_s: float, overhead_used_s: float,
                       verify_error_s: float = 0.0) -> None:
@@ -253,6 +330,7 @@ class Controller:
         most of it header) is predicted at a tenth of its air time. A scenario's own H, or a fit, wins."""
         if self.base.header_bits == 0 and not self._header_obs and math.isfinite(bits) and bits > 0:
             self.header_bits = float(bits)
+            self.header_from = "wire_prior"
 
     def observe_upload(self, charged_bytes: int, planned_bits: float, header_used_bits: float,
                        mode: str | None = None) -> None:
@@ -272,6 +350,18 @@ class Controller:
         if len(recent) >= 3:
             # statistics.median: the same number as numpy's, at a thirtieth of its cost on 50 values (per draft)
             self.header_bits = max(0.0, float(statistics.median(recent)))
+            self.header_from = "fit_dl" if recent is self._header_obs_dl else "fit_all"
+
+    def estimates_from(self, names: list[str]) -> dict:
+        """Which estimates a plan uses are priors (the profile's) and which are fitted from the run: the
+        record's `estimates_from` (docs/extending.md, "Every fallback")."""
+        fitted_overhead = self.fit_round_overhead and len(self._overhead_obs) >= 3
+        untimed = [n for n in names if self.est[n].rounds_timed <= 1]
+        return {"verify_model": self.verify_from, "header_bits": self.header_from,
+                "round_overhead": "fit" if fitted_overhead else "prior",
+                "alpha_prior": [n for n in names if self.est[n].trials <= 0],
+                "draft_time_prior": [n for n in untimed if not self.est[n].calibrated],
+                "draft_time_calibrated": [n for n in untimed if self.est[n].calibrated]}
 
     # -- planning --------------------------------------------------------------------------------
     def scenario_for(self, names: list[str], gains: dict[str, float],
@@ -293,11 +383,14 @@ class Controller:
                                             "fixed_dl_rate_bps": r.get("dl") or None}
                                         for n, r in rate_override.items() if n in keep})
 
-    def rate_overrides(self, round_index: int, t_s: float, names: list[str]) -> tuple[dict[str, dict], str | None]:
+    def rate_overrides(self, round_index: int, t_s: float, names: list[str],
+                       channel_ok: bool = True) -> tuple[dict[str, dict], str | None]:
         """(name -> {"ul", "dl"} fixed rates in bit/s, where they come from): a rate trace of the channel
-        state (``trace``), else the rates the edge measured on a real link (``measured``); ({}, None) if none."""
+        state (``trace``), else the rates the edge measured on a real link (``measured``); ({}, None) if none.
+        `channel_ok` False: the channel source failed this round (its rates are not asked for)."""
         cs = self.channel_state
-        if cs is not None and hasattr(cs, "rate_override_bps"):  # a rate trace, or a plug-in source's rates
+        # a rate trace, or a plug-in source's rates
+        if channel_ok and cs is not None and hasattr(cs, "rate_override_bps"):
             ov = cs.rate_override_bps(round_index, t_s)
             fixed = {n: dict(ov[n]) for n in names if n in ov and (ov[n]["ul"] or ov[n]["dl"])}
             if fixed:
@@ -308,7 +401,7 @@ class Controller:
 
     def plan_round(self, round_index: int, names: list[str], t_s: float = 0.0) -> RoundPlan:
         asked = list(names)
-        gains = self.gains_db(round_index, t_s)
+        gains, channel_fb = self._round_gains(round_index, t_s)
         cs = self.channel_state
         live = ({n: cs.live_used(n) for n in names if cs.live_used(n) is not None}
                 if cs is not None and getattr(cs, "source", None) == "live" else {})
@@ -318,8 +411,8 @@ class Controller:
         usable = [n for n in names if n in gains]
         if not usable:
             return RoundPlan(round_index, [], {}, self.base, {}, requested=asked, t_s=t_s, live_used=live,
-                             sat_out=sat_out)
-        fixed, source = self.rate_overrides(round_index, t_s, usable)
+                             sat_out=sat_out, channel_fallback=channel_fb)
+        fixed, source = self.rate_overrides(round_index, t_s, usable, channel_ok=channel_fb is None)
         scen = self.scenario_for(usable, gains, fixed)
         scen, energy = self.energy.budgeted(scen)  # budgets less the measured air-time margin
         names = usable
@@ -345,28 +438,62 @@ class Controller:
                          {d.name: d for d in chosen.device_plans()}, requested=asked,
                          t_s=t_s, rate_override=fixed, rate_source=source, live_used=live, sat_out=sat_out,
                          energy=energy, link_sources={n: dict(self.measured_sources[n]) for n in names
-                                                      if n in self.measured_sources})
+                                                      if n in self.measured_sources},
+                         channel_fallback=channel_fb, gain_fallback=self._gain_fallback(round_index, t_s, names,
+                                                                                        channel_fb),
+                         estimates_from=self.estimates_from(names))
+
+    def _gain_fallback(self, round_index: int, t_s: float, names: list[str], channel_fb: dict | None) -> dict:
+        """name -> why the mean path loss stood in for its gain: its channel state (not the live source, whose
+        `live_used` says it) gave it neither a gain, an SNR nor a UL rate this round."""
+        cs = self.channel_state
+        if cs is None or channel_fb is not None or getattr(cs, "source", None) == "live":
+            return {}
+        states = cs.link_states(round_index, t_s)  # cached: the states the gains came from
+        return {n: "no gain, SNR or UL rate from the channel source: the mean path loss at distance_m"
+                for n in names if n in states and states[n].gain_db is None and states[n].snr_db is None
+                and states[n].ul_rate_bps is None}
 
     def _plan_or_fall_back(self, scen: Scenario, round_index: int, by_option: dict | None = None) -> Plan:
-        """The profile's policy; when it finds no feasible schedule (e.g. an energy budget no upload fits) or
-        a plug-in's decision cannot be used (`PolicyError`), the round goes ahead with `FALLBACK_POLICY`, and
-        the log and the plan's `fallback` entry (then the round record's) say why, instead of the run
-        stopping."""
+        """The profile's policy. When it finds no feasible schedule (e.g. an energy budget no upload fits:
+        `infeasible`) the round goes ahead with the fallback policy (`fallback_policy`, default
+        `FALLBACK_POLICY`); when a plug-in raised or its decision cannot be used (`PolicyError`) the run stops
+        (`PluginFailure`), or with `on_plugin_error: fallback` the round goes ahead likewise (`plugin_error`).
+        The log and the plan's `fallback` entry (then the round record's) say why."""
         seed = self.seed + round_index
         try:
             return plan(scen, self.policy_impl, fixed_length=self.fixed_length, seed=seed, round_index=round_index,
                         previous=self.previous, acceptance_by_option=by_option)
         except (InfeasiblePlanError, PolicyError) as exc:
-            log.warning("round %d: %s; planning this round with %s", round_index, exc, FALLBACK_POLICY)
+            kind = self._fallback_kind(exc, round_index)
+            log.warning("round %d: %s; planning this round with %s (%s)", round_index, exc, self.fallback_policy, kind)
             try:
-                chosen = plan(scen, FALLBACK_POLICY, fixed_length=self.fixed_length, seed=seed,
+                chosen = plan(scen, self.fallback_policy, fixed_length=self.fixed_length, seed=seed,
                               acceptance_by_option=by_option)
             except InfeasiblePlanError as again:
                 raise TestbedError(f"round {round_index}: no feasible schedule with {self.policy!r} ({exc}) "
-                                   f"nor with {FALLBACK_POLICY!r} ({again})") from None
-            chosen.info["fallback"] = {"policy": FALLBACK_POLICY, "instead_of": self.policy,
+                                   f"nor with {self.fallback_policy!r} ({again})") from None
+            chosen.info["fallback"] = {"policy": self.fallback_policy, "instead_of": self.policy, "kind": kind,
                                        "error": type(exc).__name__, "reason": str(exc)}
             return chosen
+
+    def _fallback_kind(self, exc: Exception, round_index: int) -> str:
+        """`infeasible`, `plugin_error` (a plug-in's PolicyError, which stops the run unless `on_plugin_error:
+        fallback`: PluginFailure) or `policy_error` (a built-in's)."""
+        if isinstance(exc, InfeasiblePlanError):
+            return "infeasible"
+        if isinstance(self.policy_impl, BuiltinPolicy):
+            return "policy_error"
+        if self.on_plugin_error == "stop":
+            from testbed.runtime.plugins import PluginFailure
+
+            cause = exc.__cause__ or exc
+            tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+            log.error("round %d: policy %r failed; stopping the run\n%s", round_index, self.policy, tb)
+            error = f"{type(cause).__name__}: {cause}" if cause is not exc else str(exc).removeprefix(
+                f"policy {self.policy}: ")
+            raise PluginFailure("policy", self.policy, round_index, error, tb) from exc
+        return "plugin_error"
 
     def _pinned(self, scen: Scenario, policy: str, modes, draft_lens, payload_info: dict | None = None) -> Plan:
         """The profile pins every device's mode and/or draft length (e.g. to compare UL and DL mode on the
@@ -505,13 +632,24 @@ def round_record(rp: RoundPlan, *, policy: str, outcomes: dict[str, DeviceOutcom
                        "options": (plan.get("payload") or {}).get("options")},
            "missed": [n for n in rp.devices if n not in outcomes], "channel_t_s": rp.t_s}
     add_round_energy(rec)
-    if plan.get("fallback"):  # the policy's plan was refused; FALLBACK_POLICY planned this round
+    if plan.get("fallback"):  # the policy's plan was refused; the fallback policy planned this round
         rec["fallback"] = plan["fallback"]
+    if rp.channel_fallback:  # the channel source raised; the scenario's static gains planned this round
+        rec["channel_fallback"] = rp.channel_fallback
+    if rp.estimates_from:
+        rec["estimates_from"] = rp.estimates_from
     if rp.sat_out:  # left out of the plan (live channel, `fallback: drop`): what the channel state had
         rec["sat_out"] = {n: {"reason": why, "live_used": rp.live_used.get(n)} for n, why in rp.sat_out.items()}
     if extra:
         rec.update(extra)
     return _finite(rec)
+
+
+def _builtin_source(cs) -> bool:
+    """Whether a channel state's source is built in (model, trace, live): its errors are its own messages."""
+    from testbed.channel.state import SOURCES
+
+    return getattr(cs, "source", None) in SOURCES
 
 
 def outcome_of(record: dict) -> RoundOutcome:
@@ -569,6 +707,8 @@ def _planned_entry(rp: RoundPlan, name: str) -> dict:
         entry["link_rate_source"] = rp.link_sources[name]  # which estimate of the real link each direction used
     if name in rp.live_used:
         entry["live_used"] = rp.live_used[name]
+    if name in rp.gain_fallback:
+        entry["gain_fallback"] = rp.gain_fallback[name]
     return entry
 
 

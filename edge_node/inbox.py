@@ -38,8 +38,9 @@ class Inbox:
         """The edge is free to read again: a message read within WAITED_S of this was queued while it was busy."""
         self.free_since = time.monotonic()
 
-    def dispatch(self, frames: list, t_arr: float) -> None:
-        """Handle one message; whatever fails costs this message only (an error reply, one log line)."""
+    def dispatch(self, frames: list, t_arr: float, waited: bool = False) -> None:
+        """Handle one message; whatever fails costs this message only (an error reply, one log line). `waited`:
+        it is known to have been queued while the edge was busy (taken in during a long call)."""
         sock = self.srv.socket
         self._clock, self._frames_in = ThreadClock(), frames
         ident = frames[0].bytes
@@ -60,7 +61,7 @@ class Inbox:
             if s is not None and header["type"] != P.REGISTER:
                 s.peer.heard(t_arr)  # any message is a sign of life, but a register may come from a new process
             nbytes = sum(len(f) for f in frames[1:])  # bytes, as the emulator counts them (header + arrays)
-            waited = t_arr - self.free_since < WAITED_S
+            waited = waited or t_arr - self.free_since < WAITED_S
             self._handle(name, header, arrays, nbytes, sock.via_channel(frames), t_arr, waited)
         except Refusal as exc:
             sock.refuse(ident, exc.reason, str(exc), header.get("round"))

@@ -13,8 +13,11 @@
 
 Liveness is the ZeroMQ guide's Paranoid Pirate (`testbed.runtime.heartbeat`): the edge sends a `heartbeat` to a
 device it has sent nothing to for `heartbeat_s`, and drops a session it has heard nothing from for `liveness` x
-`heartbeat_s` (its KV cache is freed). On a measured real link (`measure_links`) each device's link is also
-probed at registration and between rounds (`edge_node.probing`). See docs/wire-protocol.md for the hardening.
+`heartbeat_s` (its KV cache is freed). Liveness does not depend on compute: around a long call (the target's
+forward, a plan) the loop lends its socket to the heartbeat thread (`EdgeSocket.lent`), which keeps the
+heartbeats going and takes in what arrives; the loop handles that before it judges anyone silent. On a measured
+real link (`measure_links`) each device's link is also probed at registration and between rounds
+(`edge_node.probing`). See docs/wire-protocol.md for the hardening.
 """
 
 from __future__ import annotations
@@ -109,8 +112,8 @@ class EdgeServer:
                 return
             wait = min(left, max(0.0, self._next_tick - time.monotonic()))
             self.inbox.mark_free()
-            if not wait_readable(self.sock, max(0.001, wait), busy=self.config.busy_poll,
-                                 rehearse=self.inbox.rehearsal.run):
+            if not self.socket.held and not wait_readable(self.sock, max(0.001, wait), busy=self.config.busy_poll,
+                                                          rehearse=self.inbox.rehearsal.run):
                 continue
             if self.drain(stop, limit=DRAIN_BATCH):
                 return
@@ -120,10 +123,11 @@ class EdgeServer:
         stopped. With `mark_free`, the edge counts as free again after each message (what was read late is
         told apart)."""
         for _ in itertools.repeat(None) if limit is None else range(limit):
-            frames = self.socket.recv()
-            if frames is None:
+            got = self.socket.recv()
+            if got is None:
                 return False
-            self.inbox.dispatch(frames, time.monotonic())
+            frames, t_arr, held = got
+            self.inbox.dispatch(frames, t_arr, waited=held)
             if mark_free:
                 self.inbox.mark_free()
             if stop is not None and stop():
@@ -149,6 +153,12 @@ class EdgeServer:
     def send(self, name: str, frames: list) -> None:
         self.socket.send(name, frames)
 
+    def take_held(self) -> None:
+        """Handle what the heartbeat thread took in during the last long call (signs of life among it), before
+        anyone is judged silent (`Sessions.end_silent`)."""
+        if self.socket.held:
+            self.drain(mark_free=False, limit=len(self.socket.held))
+
     def wait_for_devices(self, names: list[str], timeout_s: float) -> list[str]:
         """Serve registrations until all `names` registered or the timeout; returns those missing."""
         self.poll(time.monotonic() + timeout_s, stop=lambda: all(n in self.sessions for n in names))
@@ -158,7 +168,8 @@ class EdgeServer:
     def plan_fresh(self, r: int, names: list[str]) -> tuple[RoundPlan, float]:
         """The controller's plan of round `r` for `names`, and the seconds it took."""
         t = time.monotonic()
-        rp = self.controller.plan_round(r, names, t - self.t_origin)
+        with self.socket.lent():  # a plan may take long (many devices, a plug-in policy): heartbeats go on
+            rp = self.controller.plan_round(r, names, t - self.t_origin)
         return rp, time.monotonic() - t
 
     def publish_link_rates(self, names: list[str]) -> None:

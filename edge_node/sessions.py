@@ -81,6 +81,7 @@ class Sessions:
         if old is not None:
             log.info("%s: re-registered; closing its old session %s", name, old.sid)
             self.end(name, "re-registered", notify=False)
+        self.srv.controller.calibrate_draft_time(name, reg.draft_time_s)  # its own timing, if it sent one
         self.open(name, reg.hardware, reg.features)
 
     def alive(self, s: Session) -> bool:
@@ -133,7 +134,9 @@ class Sessions:
             self.srv.socket.send_quietly(name, M.done(reason))
 
     def end_silent(self, now: float) -> None:
-        """End the sessions whose device was silent past the liveness window."""
+        """End the sessions whose device was silent past the liveness window (after handling what arrived
+        during a long call: it may be their sign of life)."""
+        self.srv.take_held()
         beat = self.srv.socket.heartbeat
         for name, s in list(self.by_name.items()):
             cur = self.srv.inflight.of(name)
@@ -156,7 +159,9 @@ class Sessions:
         log.warning("%s: out of round %d (%d misses in a row): %s", name, r, s.misses, reason)
         self.srv.socket.send(name, M.dropped(r, reason))
         if s.misses >= self.cfg.max_misses:
-            self.drop(name, f"missed {s.misses} consecutive rounds")
+            # No bye: a device that is only slow or paused finds itself unregistered at its next message and
+            # registers again, and a restarted process that took this name must not get the old session's bye.
+            self.drop(name, f"missed {s.misses} consecutive rounds", notify=False)
 
     def sit_out_missing_reports(self) -> None:
         """A device whose DL-mode correction (its report) never came cannot draft: it sits this round out."""
@@ -166,7 +171,7 @@ class Sessions:
             s.misses += 1
             log.warning("%s: no report for round %d yet (%d misses)", name, s.awaiting_report, s.misses)
             if s.misses >= self.cfg.max_misses:
-                self.drop(name, f"no report for round {s.awaiting_report}")
+                self.drop(name, f"no report for round {s.awaiting_report}", notify=False)  # as in `missed`
 
     def on_device_error(self, name: str, header: dict) -> None:
         """A device says why it cannot take part (e.g. its model does not load): keep and print the reason;

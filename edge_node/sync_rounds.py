@@ -231,6 +231,11 @@ class SyncRounds:
                                   **({"link_probes": srv.prober.take_log()} if srv.prober is not None else {}),
                                   "joined": sorted(set(srv.sessions) - set(cur.schedule) - set(rp.sat_out))})
         missed_reasons(rec, cur)
+        if t_end - cur.t0 > self.cfg.deadline_s:
+            # Logged and recorded, never a reason for a device to leave: heartbeats went on meanwhile.
+            rec["past_deadline"] = True
+            log.warning("round %d took %.1f s, past the deadline of %g s (verification %.1f s); every device "
+                        "stays", cur.index, t_end - cur.t0, self.cfg.deadline_s, verify_s or 0.0)
         # T_0 is fitted on full rounds, in the record's time base (with a virtual channel, the virtual round time).
         full = bool(outcomes) and len(outcomes) == len(cur.schedule)
         srv.keep_record(rec, fit_round=(rp.plan["round_time_s"], rp.scenario.round_overhead_s) if full else None)

@@ -2,7 +2,10 @@
 
 It sends (to a device's name, through its route with CURVE keys), receives, refuses (counted per reason, logged
 at most `REFUSAL_LOG_BURST` a second so that a flood cannot fill the disk), rate-limits each identity before
-anything is decoded, tells which name a message speaks for, and sends the heartbeats. With CURVE keys
+anything is decoded, tells which name a message speaks for, and sends the heartbeats. During a long call of the
+edge's loop (a verification, a plan: `lent()`) its `HeartbeatThread` serves the socket instead: it sends the
+heartbeats due and takes in what arrives, stamped on arrival (`held`), so that the loop handles it before it
+judges any device silent and before it reads the socket again. With CURVE keys
 (`keys_dir`) only listed keys connect, and a message speaks for the name its key is bound to, whatever routing
 identity its connection chose; behind an emulator (`channel_mode` not passthrough) only the emulator's key
 connects, so no device skips its air time."""
@@ -11,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import zmq
 
 from testbed.runtime import security
-from testbed.runtime.heartbeat import Heartbeat
+from testbed.runtime.heartbeat import Heartbeat, HeartbeatThread
 from testbed.runtime.sockets import harden_router, max_message_bytes
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
@@ -25,6 +28,10 @@ from testbed.wire.protocol import ProtocolError
 log = logging.getLogger("multispin.edge")
 
 REFUSAL_LOG_BURST = 20  # refusals logged per second; beyond that they are counted (a flood must not fill the disk)
+# What the heartbeat thread takes in during one long call, at most; the rest waits in ZeroMQ's queues as it would
+# without the thread (a flood must not fill the memory).
+HELD_MAX_MESSAGES = 10_000
+HELD_MAX_BYTES = 256 << 20
 
 
 class Refusal(ProtocolError):
@@ -55,6 +62,26 @@ class EdgeSocket:
         self.refusals: Counter[str] = Counter()  # reason -> refused messages
         self._refusal_log = security.LogThrottle(log, REFUSAL_LOG_BURST, "refused messages")
         self._beat = M.heartbeat()
+        # (frames, arrival) taken in by the heartbeat thread during a long call, handled first by `recv`
+        self.held: deque[tuple[list, float]] = deque()
+        self._held_bytes = 0
+        self.beats = HeartbeatThread(self._serve_lent, cfg.heartbeat_s / 4, name="edge-heartbeats")
+
+    def lent(self):
+        """Context manager around a long call of the edge's loop (it must not touch the socket inside): the
+        heartbeat thread sends the heartbeats due and takes in what arrives meanwhile."""
+        return self.beats.lent()
+
+    def _serve_lent(self) -> None:
+        """The heartbeat thread's work while the socket is lent: heartbeats due out, arrivals in (stamped)."""
+        self.send_heartbeats(time.monotonic())
+        while len(self.held) < HELD_MAX_MESSAGES and self._held_bytes < HELD_MAX_BYTES:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.held.append((frames, time.monotonic()))
+            self._held_bytes += sum(len(f) for f in frames)
 
     def _bind(self, bind: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -113,14 +140,22 @@ class EdgeSocket:
         self._refusal_log.flush(now)
 
     # -- in --------------------------------------------------------------------------------------
-    def recv(self) -> list | None:
-        """The next queued message's frames, or None."""
-        try:
-            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
+    def recv(self) -> tuple[list, float, bool] | None:
+        """The next message: (frames, arrival on the edge clock, whether it was held: taken in by the heartbeat
+        thread during a long call, so that its arrival stamp is late by up to a tick); None when none is queued.
+        Held messages come first: they arrived before anything still in the socket."""
+        if self.held:
+            frames, t_arr = self.held.popleft()
+            self._held_bytes -= sum(len(f) for f in frames)
+            held = True
+        else:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            t_arr, held = time.monotonic(), False
         self._in_hand = frames[:2]  # identity and header only: an array frame may be large
-        return frames
+        return frames, t_arr, held
 
     def admitted(self, ident: bytes, t_arr: float) -> bool:
         """Within its identity's rate; else refused, before anything is decoded and unanswered: a flood costs a
@@ -189,4 +224,5 @@ class EdgeSocket:
         return True  # without keys the edge cannot tell; the emulator overwrites charged messages' annotation
 
     def close(self) -> None:
+        self.beats.close()
         self.sock.close(linger=200)

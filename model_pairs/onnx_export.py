@@ -106,3 +106,37 @@ def export_draft_onnx(model, out_path: Path, *, opset: int = 18, dynamo: bool | 
             errors.append(f"{'dynamo' if use_dynamo else 'torchscript'}: {type(exc).__name__}: {exc}")
             log.warning("ONNX export with %s failed: %s", "dynamo" if use_dynamo else "torchscript", exc)
     raise RuntimeError("ONNX export failed: " + " | ".join(e[:500] for e in errors))
+
+
+QUANTIZE_CHOICES = ("int8",)
+
+
+def quantize_draft_onnx(src: Path, dst: Path, mode: str = "int8") -> dict:
+    """Dynamic int8 quantization (onnxruntime.quantization.quantize_dynamic) of an exported draft: int8
+    weights of the MatMul/Gather ops, activations quantized per call. Inputs and outputs keep their float32
+    names and shapes, so `device_node.drafter.OnnxDrafter` runs the result unchanged. Returns
+    {quantize, seconds, bytes_before, bytes_after}."""
+    if mode not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize={mode!r}: allowed {', '.join(QUANTIZE_CHOICES)}")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        raise ValueError(f"{dst}: the quantized draft must not overwrite its float32 source")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    before = src.stat().st_size + sum(p.stat().st_size for p in src.parent.glob(src.name + ".data"))
+    large = before > 1.8e9
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # quantize_dynamic logs a "consider pre-processing" warning on the root logger
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=False,
+                             use_external_data_format=large)
+    finally:
+        root.setLevel(level)
+    after = dst.stat().st_size + sum(p.stat().st_size for p in dst.parent.glob(dst.name + ".data"))
+    return {"quantize": mode, "seconds": round(time.perf_counter() - t0, 2), "bytes_before": before,
+            "bytes_after": after}

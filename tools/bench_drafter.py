@@ -2,6 +2,11 @@
 (both with a KV cache, one token per step, same threads), measured side by side in one run.
 
   python tools/bench_drafter.py [--pair DIR | --micro] [--tokens 64] [--repeats 5] [--threads 1]
+
+With --int8 [--acceptance]: the float32 ONNX draft against its int8 quantization (`multispin models export
+--quantize int8`, written to a temporary folder unless the pair has draft.int8.onnx), per-token draft time
+side by side and, with --acceptance, the pair's evaluation (teacher-forced and speculative acceptance at
+temperature 1 and greedy, the build's prompts and seeds) with each draft against the PyTorch target.
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--int8", action="store_true", help="float32 ONNX draft against its int8 quantization")
+    ap.add_argument("--acceptance", action="store_true", help="with --int8: also the acceptance of each (minutes)")
     args = ap.parse_args()
+    if args.int8:
+        return compare_int8(args)
 
     import numpy as np
     import torch
@@ -85,6 +94,98 @@ def main() -> int:
     print(f"  pytorch eager  {mp * 1e3:8.3f} ms/token")
     print(f"  ratio pytorch/onnx = {mp / mo:.2f}")
     return 0
+
+
+def compare_int8(args) -> int:
+    import json
+    import tempfile
+
+    import numpy as np
+
+    from device_node.drafter import OnnxDrafter
+    from model_pairs.onnx_export import quantize_draft_onnx
+    from testbed.core.sampling import SamplingParams
+
+    pair = pick_pair(args)
+    q_path = pair.root / "draft.int8.onnx"
+    if not q_path.is_file():
+        q_path = Path(tempfile.mkdtemp()) / "draft.int8.onnx"
+        print(f"quantized {quantize_draft_onnx(pair.draft_onnx, q_path)}")
+    drafters = {"float32": OnnxDrafter(pair.draft_onnx, threads=args.threads),
+                "int8": OnnxDrafter(q_path, threads=args.threads)}
+    prompt = list(range(1, args.prompt_len + 1))
+    greedy = SamplingParams(0.0)
+
+    def timer(d):
+        def run() -> float:
+            d.reset(prompt)
+            d.draft(1, greedy, np.random.default_rng(0))
+            d.commit(1, 5)
+            t = time.perf_counter()
+            d.draft(args.tokens, greedy, np.random.default_rng(0))
+            dt = time.perf_counter() - t
+            d.commit(0, 5)
+            return dt / args.tokens
+        return run
+
+    f, q = timer(drafters["float32"]), timer(drafters["int8"])
+    f(), q()
+    mf, mq = interleaved_medians(f, q, args.repeats)
+    result = {"pair": str(pair.root), "threads": args.threads, "tokens": args.tokens,
+              "draft_ms_per_token": {"float32": round(mf * 1e3, 3), "int8": round(mq * 1e3, 3)},
+              "bytes": {"float32": pair.draft_onnx.stat().st_size, "int8": q_path.stat().st_size}}
+    if args.acceptance:
+        import dataclasses
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from model_pairs.model_pair import PairBuildConfig, evaluate_acceptance, load_heldout, load_manifest
+
+        torch.set_num_threads(args.threads)
+        m = load_manifest(pair.root)
+        config = PairBuildConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m["config"].items()})
+        config = dataclasses.replace(config, threads=args.threads)
+        held = load_heldout(config, pair.tokenizer, pair.root.parent / "corpus-cache",
+                            expect_source=m["corpus"]["source"])
+        target = AutoModelForCausalLM.from_pretrained(str(pair.target_dir)).eval()
+        result["acceptance"] = {}
+        for label, path in (("float32", pair.draft_onnx), ("int8", q_path)):
+            t0 = time.perf_counter()
+            acc = evaluate_acceptance(target, OnnxCausalLM(path, threads=args.threads), held, config)
+            result["acceptance"][label] = {k: {"alpha": round(v["alpha"], 4),
+                                               "teacher_forced_alpha": round(v["teacher_forced_alpha"], 4),
+                                               "tokens_per_target_call": round(v["tokens_per_target_call"], 3)}
+                                           for k, v in acc.items()}
+            result["acceptance"][label]["seconds"] = round(time.perf_counter() - t0, 1)
+        result["manifest_acceptance"] = {k: round(v["alpha"], 4) for k, v in m["acceptance"].items()}
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+class OnnxCausalLM:
+    """An exported draft graph called like a Hugging Face model: `model(input_ids=ids).logits` (a torch tensor
+    (1, S, V)), each call recomputing the whole sequence from an empty cache. What the evaluation code of
+    `model_pairs.training` (teacher-forced and speculative acceptance) needs to measure an ONNX draft (say, an
+    int8 one) against the target."""
+
+    def __init__(self, onnx_path, threads: int = 1) -> None:
+        from device_node.drafter import OnnxDrafter
+
+        self._drafter = OnnxDrafter(onnx_path, threads=threads)
+
+    def __call__(self, input_ids, **_):
+        import types
+
+        import numpy as np
+        import torch
+
+        d = self._drafter
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(1, -1)
+        feeds = {"input_ids": ids, "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None]}
+        feeds.update(zip(d._past_names, d._empty_cache()))
+        logits = d.session.run(["logits"], feeds)[0]
+        return types.SimpleNamespace(logits=torch.from_numpy(logits))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 against the swept key (solid, filled markers; with several repeats the mean and a bar from the lowest to
 the highest run) and the model's prediction for the same runs beside it (dashed, open markers).
 
-goodput.png always; tokens_per_j.png when the runs carry a measured energy (hardware profiles with the
-energy fields). The axis of a simulator key carries its symbol and unit, as in `multispin simulate`'s plots.
+goodput always; tokens_per_j when the runs carry a measured energy (hardware profiles with the energy
+fields), in the style and formats in force (`testbed.analysis.style`) with a caption beside each. The axis of a
+simulator key carries its symbol and unit, as in `multispin simulate`'s plots; a policy has its colour of
+every other figure; the legend's title says how many repeats a mean and its bar are drawn from.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.analysis import style
 from testbed.analysis.sim_plots import AXES, axis_label
 
 # (file, measured column, predicted column, y label)
-METRICS = (("goodput.png", "measured_goodput_tps", "predicted_goodput_tps", "goodput (tokens/s)"),
-           ("tokens_per_j.png", "measured_tokens_per_j", "predicted_tokens_per_j", "tokens per joule (all devices)"))
+METRICS = (("goodput", "measured_goodput_tps", "predicted_goodput_tps", style.label("goodput_tps")),
+           ("tokens_per_j", "measured_tokens_per_j", "predicted_tokens_per_j", style.label("measured_tokens_per_j")))
 
 
 def _points(rows: list[dict]) -> tuple[list, bool]:
@@ -39,27 +42,25 @@ def _series(rows: list[dict], policy: str, metric: str, values: list) -> tuple[n
     return np.array(mean), np.array(low), np.array(high)
 
 
+@style.styled
 def plot_metric(rows: list[dict], path: Path, key: str, measured: str, predicted: str, ylabel: str,
-                title: str | None = None) -> Path:
-    import matplotlib.pyplot as plt
+                title: str | None = None) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     values, numeric = _points(rows)
     factor = AXES.get(key, (key, 1.0))[1]
     x = np.array(values, float) * factor if numeric else np.arange(len(values))
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = style.figure(aspect=0.64)
     repeats = max((r["repeat"] for r in rows), default=0) + 1
     handles = []
-    for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
-        color = colors[i % len(colors)]
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        color = style.policy_color(policy)
         m, lo, hi = _series(rows, policy, measured, values)
         p, _, _ = _series(rows, policy, predicted, values)
         yerr = np.vstack([m - lo, hi - m]) if repeats > 1 else None
-        handles.append(ax.errorbar(x, m, yerr=yerr, color=color, marker="o", ms=5, lw=1.6, capsize=3,
-                                   label=f"{policy}, measured"))
-        handles += ax.plot(x, p, color=color, marker="o", ms=5, mfc="white", lw=1.2, ls="--",
-                           label=f"{policy}, predicted")
+        handles.append(ax.errorbar(x, m, yerr=yerr, color=color, capsize=3, label=f"{policy}, measured",
+                                   **style.MEASURED_STYLE))
+        handles += ax.plot(x, p, color=color, label=f"{policy}, predicted", **style.PREDICTED_STYLE)
     ax.set_xlabel(axis_label(key))
     ax.set_ylabel(ylabel)
     if numeric and len(x) > 1 and x.min() > 0 and x.max() / x.min() >= 20:
@@ -72,20 +73,19 @@ def plot_metric(rows: list[dict], path: Path, key: str, measured: str, predicted
         ax.set_xticks(x, [format(v, "g") for v in x])
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=all(float(v).is_integer() for v in values)))
-    spread = f"mean of {repeats} repeats, bars: lowest to highest run" if repeats > 1 else "one run per point"
+    spread = style.spread_note(repeats, "repeats", "bars: lowest to highest run")
     head = f"{title}: " if title else ""
-    ax.set_title(f"{head}{ylabel.split(' (')[0]} per policy, live testbed ({spread});\nsolid: measured, dashed: "
-                 f"the model's prediction for the same runs", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(handles=handles, fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    what = ylabel.split(' [')[0]
+    style.title(ax, f"{head}{what} per policy, live testbed;\nsolid: measured, dashed: the model's prediction "
+                    f"for the same runs")
+    style.legend(ax, spread, handles=handles, ncol=2)
+    caption = (f"{head}{what} per policy against {axis_label(key)} on the live testbed: measured (solid, filled "
+               f"markers) and the model's prediction for the same runs (dashed, open markers); {spread}.")
+    return style.save(fig, path, caption)
 
 
 def plot_campaign(rows: list[dict], out_dir: str | Path, key: str, title: str | None = None) -> list[Path]:
-    """goodput.png (and tokens_per_j.png when the runs carry energy) in `out_dir`."""
+    """goodput (and tokens_per_j when the runs carry energy) in `out_dir`, in the formats in force."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,5 +94,5 @@ def plot_campaign(rows: list[dict], out_dir: str | Path, key: str, title: str | 
     paths = []
     for name, measured, predicted, ylabel in METRICS:
         if any(r.get(measured) is not None for r in rows):
-            paths.append(plot_metric(rows, out / name, key, measured, predicted, ylabel, title))
+            paths += plot_metric(rows, out / name, key, measured, predicted, ylabel, title)
     return paths

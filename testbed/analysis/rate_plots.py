@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.analysis import style
+
 # Per-device record fields that hold a link's fixed rates {ul, dl} (bit/s), and how the panel names them.
 FIXED_RATE_FIELDS = {"trace_rate_bps": "trace", "link_rate_bps": "measured link"}
-DEVICE_COLORS = ("tab:purple", "tab:green", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "k")
 
 
 def fixed_rates(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
@@ -29,8 +30,8 @@ def plot_fixed_rates(ax, records: list[dict], names: list[str]) -> None:
     """Fixed rates per device over rounds (solid: UL, dashed: DL) and, on top, the rate the emulator
     charged each upload (x): with a trace the crosses sit on the line."""
     rates = fixed_rates(records)
-    # Not blue or orange: those are the UL and DL modes of the timeline below.
-    colors = {n: DEVICE_COLORS[i % len(DEVICE_COLORS)] for i, n in enumerate(names)}
+    # One colour per device in every figure, never the blue or orange of the modes below.
+    colors = {n: style.device_color(n) for n in names}
     values = [b for pts in rates.values() for _, b in pts]
     for (name, direction, what), pts in sorted(rates.items()):
         x, y = zip(*pts)
@@ -47,25 +48,31 @@ def plot_fixed_rates(ax, records: list[dict], names: list[str]) -> None:
                        label=f"{name} UL, charged by the emulator")
     if values and min(values) > 0 and max(values) / min(values) > 20:  # fades of a decade and more
         ax.set_yscale("log")
-    ax.set_ylabel("rate (Mbit/s)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.set_ylabel(style.label("rate_mbps"))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
 def timeline_axes(records: list[dict], names: list[str], width: float, title: str | None = None):
     """(figure, timeline axes): with fixed rates in the records, a rate panel above the timeline (sharing
     its round axis); else the timeline alone."""
-    import matplotlib.pyplot as plt
-
-    height = 0.55 * len(names) + 2.0
+    paper = style.current().name == "paper"
+    height = (0.22 * len(names) + 1.0) if paper else (0.55 * len(names) + 2.0)
     if not fixed_rates(records):
-        return plt.subplots(figsize=(width, height))
-    fig, (top, ax) = plt.subplots(2, 1, figsize=(width, height + 2.8), sharex=True,
-                                  gridspec_kw={"height_ratios": [2.8, height]})
+        return _sized(width, height)
+    rate_h = 1.4 if paper else 2.8
+    fig, (top, ax) = _sized(width, height + rate_h, nrows=2, sharex=True,
+                            gridspec_kw={"height_ratios": [rate_h, height]})
     plot_fixed_rates(top, records, names)
     policy = records[0].get("policy") if records else None
     who = " — ".join(x for x in (title, f"policy {policy}" if policy else None) if x)
-    top.set_title(f"{who}\nlink rates per device (fixed by a trace, or measured)" if who else
-                  "link rates per device (fixed by a trace, or measured)", fontsize=10)
+    style.title(top, f"{who}\nlink rates per device (fixed by a trace, or measured)" if who else
+                "link rates per device (fixed by a trace, or measured)")
     top.tick_params(labelbottom=True)
     return fig, ax
+
+
+def _sized(width: float, height: float, **kw):
+    import matplotlib.pyplot as plt
+
+    with style.rc():
+        return plt.subplots(figsize=(width, height), **kw)

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.analysis.phases import PHASES, phase_pairs
+from testbed.analysis.phases import (
+    NO_LINK_BASIS,
+    PHASES,
+    RATE_PHASES,
+    phase_pairs,
+    round_rate_basis,
+)
 from testbed.core.vocabulary import DL, MODES, UL
 from testbed.runtime.energy import summarize_energy
 
@@ -72,6 +78,63 @@ def _ul_unmodeled(records: list[dict], mode: str) -> dict | None:
             "air_excess_p95_s": float(np.percentile(excess, 95)) if excess else None}
 
 
+def prediction_basis(records: list[dict]) -> dict:
+    """What the predicted figures rest on, derived from the records: `rates` (`RATE_BASES`), `timings`
+    ("prior": the drafting times, t_0, t_1 and T_0 the controller started from; "measured": refitted from the
+    run's measurements, edge_node/controller.py), `acceptance` ("prior" or "estimated": the Beta posterior
+    has moved). A round counts as measured / estimated once any of its estimates left its first value (a
+    device's first round is planned on its prior). Each is the basis of most rounds; `rounds` counts each."""
+    first_t: dict[str, float] = {}
+    first_a: dict[str, float] = {}
+    first_fit = None
+    counts: dict[str, dict[str, int]] = {"rates": {}, "timings": {}, "acceptance": {}}
+    for rec in records:
+        fit = ((rec.get("verify_model") or {}).get("t0_s"), (rec.get("verify_model") or {}).get("t1_s"),
+               rec.get("round_overhead_s"))
+        first_fit = first_fit or fit
+        timed = fit != first_fit
+        est_alpha = False
+        for name, d in (rec.get("devices") or {}).items():
+            e = d.get("estimate") or {}
+            if e.get("draft_time_s") is not None:
+                timed |= e["draft_time_s"] != first_t.setdefault(name, e["draft_time_s"])
+            if e.get("alpha") is not None:
+                est_alpha |= e["alpha"] != first_a.setdefault(name, e["alpha"])
+        for key, value in (("rates", round_rate_basis(rec)), ("timings", "measured" if timed else "prior"),
+                           ("acceptance", "estimated" if est_alpha else "prior")):
+            counts[key][value] = counts[key].get(value, 0) + 1
+    basis = {k: max(c, key=c.get) if c else None for k, c in counts.items()}
+    if not first_a:
+        basis["acceptance"] = None  # records without estimates
+    basis["rounds"] = counts
+    if counts["rates"] and set(counts["rates"]) == {"none"}:
+        basis["no_prediction"] = NO_LINK_BASIS
+    return basis
+
+
+def summarize_fallbacks(records: list[dict]) -> dict:
+    """`rounds`: how many rounds fell back; `by_kind`: rounds per kind (`fallback.kind`: infeasible,
+    plugin_error, policy_error; `channel_fallback`: channel_source_error; a record of an earlier release
+    without a kind counts as infeasible or policy_error by its error); `policy`: the fallback policies used."""
+    by_kind: dict[str, int] = {}
+    policies: list[str] = []
+    rounds = 0
+    for rec in records:
+        kinds = []
+        fb = rec.get("fallback")
+        if fb:
+            kinds.append(fb.get("kind") or ("infeasible" if fb.get("error") == "InfeasiblePlanError"
+                                            else "policy_error"))
+            if fb.get("policy") and fb["policy"] not in policies:
+                policies.append(fb["policy"])
+        if rec.get("channel_fallback"):
+            kinds.append(rec["channel_fallback"].get("kind") or "channel_source_error")
+        rounds += bool(kinds)
+        for k in dict.fromkeys(kinds):
+            by_kind[k] = by_kind.get(k, 0) + 1
+    return {"rounds": rounds, "by_kind": by_kind, "policies": policies}
+
+
 def summarize(records: list[dict]) -> dict:
     """The run in numbers (pure; `summary.json` and `multispin report`). Two goodputs, named by what they
     average: `goodput_run_tps` = all tokens / all round time (the run's rate), `goodput_mean_round_tps` =
@@ -105,7 +168,10 @@ def summarize(records: list[dict]) -> dict:
         s["acceptance"] = s["acceptance_rate"]  # the earlier name
         s["accepted_per_drafted"] = s["accepted"] / s["drafted"] if s["drafted"] else None
         s["mean_draft_len"] = float(np.mean(s.pop("draft_lens"))) if s["drafted"] else None
-    errors = {k: error_stats(v) for k, v in phase_pairs(records).items()}
+    basis = prediction_basis(records)
+    # Phases with air time in their prediction are compared only over rounds whose rates had a basis.
+    based = phase_pairs([r for r in records if round_rate_basis(r) != "none"])
+    errors = {k: error_stats(based[k] if k in RATE_PHASES else v) for k, v in phase_pairs(records).items()}
     run_meas = tokens / time_s if time_s else None
     run_pred = pred_tokens / pred_time if pred_time else None
     mean_meas = float(np.mean([r["measured"]["goodput_tps"] or 0 for r in records]))
@@ -132,8 +198,27 @@ def summarize(records: list[dict]) -> dict:
         "payload": _by_payload(records),
         # Per device and for the run: joules by term, tokens per joule, rounds over budget (testbed.runtime.energy).
         "energy": summarize_energy(records),
+        # Rounds not planned as the profile says (a fallback policy, or the static gains): per kind.
+        "fallbacks": summarize_fallbacks(records),
     }
-    return _with_asynchronous(summary, records)
+    summary["prediction_basis"] = basis
+    return _without_basis(_with_asynchronous(summary, records))
+
+
+def _without_basis(summary: dict) -> dict:
+    """No round's rates had a basis (a passthrough link the edge did not measure): no predicted goodput and
+    no measured / predicted ratio; `prediction_basis.no_prediction` says why."""
+    if not summary["prediction_basis"].get("no_prediction"):
+        return summary
+    for key in ("goodput_run_tps", "goodput_mean_round_tps"):
+        summary[key] = {**summary[key], "predicted": None}
+    summary.update(goodput_predicted_tps=None, mean_round_goodput_predicted_tps=None)
+    asy = summary.get("asynchronous")
+    if asy:
+        asy["goodput_sum_tps"]["predicted"] = None
+        for s in asy["devices"].values():
+            s["goodput_tps"]["predicted"] = None
+    return summary
 
 
 def _with_asynchronous(summary: dict, records: list[dict]) -> dict:
@@ -218,24 +303,32 @@ def format_summary(summary: dict) -> str:
     clock = {"virtual": "virtual clock: measured compute + the emulator's annotated air time",
              "wall": "the edge's wall clock"}.get(base, base)
     ratio = run["measured"] / run["predicted"] if run["measured"] and run["predicted"] else None
+    no_basis = (summary.get("prediction_basis") or {}).get("no_prediction")
     lines = [
         f"policy {summary['policy']}, channel {summary['channel_mode']}, {summary['rounds']} "
         f"{'device cycles' if summary.get('asynchronous') else 'rounds'}, "
         f"{summary['tokens']} tokens in {summary['time_s']:.2f} s ({clock})"
         + (f"; wall clock {summary['wall_time_s']:.2f} s" if base == "virtual" and summary.get("wall_time_s")
            else ""),
-        f"goodput: measured {_num(run['measured'], '.2f')} tok/s, predicted {_num(run['predicted'], '.2f')} tok/s "
-        f"(ratio {_num(ratio, '.3f')})  [goodput_run_tps: "
+        (f"goodput: measured {_num(run['measured'], '.2f')} tok/s, no prediction: {no_basis}"
+         if no_basis else
+         f"goodput: measured {_num(run['measured'], '.2f')} tok/s, predicted {_num(run['predicted'], '.2f')} tok/s "
+         f"(ratio {_num(ratio, '.3f')})")
+        + "  [goodput_run_tps: "
         + ("the devices' goodputs added]" if summary.get("asynchronous") else "all tokens / all round time]"),
-        f"         per-round mean: measured {mean['measured']:.2f} tok/s, predicted {mean['predicted']:.2f} tok/s  "
-        f"[goodput_mean_round_tps: mean of the rounds' tokens / round time]",
+        f"         per-round mean: measured {_num(mean['measured'], '.2f')} tok/s"
+        + ("" if no_basis else f", predicted {_num(mean['predicted'], '.2f')} tok/s")
+        + "  [goodput_mean_round_tps: mean of the rounds' tokens / round time]",
+        *_basis_lines(summary),
         f"rounds mixing UL and DL: {summary['rounds_with_ul_and_dl']}",
+        *_fallback_lines(summary.get("fallbacks")),
         "",
         f"{'device':<10}{'UL rnds':>8}{'DL rnds':>8}{'missed':>7}{'tokens':>8}{'alpha':>8}{'acc/drft':>9}"
         f"{'mean L':>8}",
     ]
     if summary.get("asynchronous"):
-        lines[3:3] = _asynchronous_lines(summary["asynchronous"])
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("rounds mixing"))
+        lines[at:at] = _asynchronous_lines(summary["asynchronous"])
     for name, s in summary["devices"].items():
         alpha = s.get("acceptance_rate", s.get("acceptance"))
         lines.append(f"{name:<10}{s['ul_rounds']:>8}{s['dl_rounds']:>8}{s['missed']:>7}{s['tokens']:>8}"
@@ -268,6 +361,47 @@ def format_summary(summary: dict) -> str:
     lines += _energy_lines(summary.get("energy"))
     lines += _notes(summary)
     return "\n".join(lines)
+
+
+def _basis_lines(summary: dict) -> list[str]:
+    """What the prediction rests on (`prediction_basis`), and the expected goodput over a fading channel."""
+    lines = []
+    basis = summary.get("prediction_basis")
+    if basis:
+        def part(key: str) -> str:
+            counts = (basis.get("rounds") or {}).get(key) or {}
+            if basis.get(key) is None:
+                return f"{key} unknown"
+            if len(counts) < 2:
+                return f"{key} {basis[key]}"
+            return f"{key} {basis[key]} (rounds: " + ", ".join(
+                f"{n} {v}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ")"
+        lines.append(f"prediction basis: {part('rates')}; {part('timings')}; {part('acceptance')}  "
+                     f"[prediction_basis: rates model|trace|measured link|none, timings prior|measured, acceptance "
+                     f"prior|estimated]")
+    exp = summary.get("expected_goodput") or {}
+    if exp.get("error"):
+        lines.append(f"expected goodput over the fading channel: not computed ({exp['error']})")
+    elif summary.get("expected_goodput_tps") is not None:
+        meas = (summary.get("goodput_run_tps") or {}).get("measured")
+        err = exp.get("stderr_tps")
+        lines.append(f"expected goodput over the fading channel: {summary['expected_goodput_tps']:.2f}"
+                     + (f" +- {err:.2f}" if err is not None else "") + f" tok/s ({exp.get('draws')} draws, "
+                     f"{exp.get('estimates')} estimates; measured / expected "
+                     f"{_num(meas / summary['expected_goodput_tps'] if meas else None, '.3f')})  "
+                     f"[expected_goodput_tps: mean planned goodput over the channel's seeded draws, +- its standard "
+                     f"error]")
+    return lines
+
+
+def _fallback_lines(fb: dict | None) -> list[str]:
+    """Rounds that fell back (`summarize_fallbacks`): the run is degraded; none: no line."""
+    if not fb or not fb.get("rounds"):
+        return []
+    kinds = ", ".join(f"{k} {n}" for k, n in fb["by_kind"].items())
+    to = f" to {', '.join(fb['policies'])}" if fb.get("policies") else ""
+    return [f"DEGRADED: {fb['rounds']} rounds fell back{to} ({kinds}); the records' fallback / channel_fallback "
+            "say why"]
 
 
 def _asynchronous_lines(asy: dict) -> list[str]:
@@ -308,6 +442,15 @@ def _energy_lines(energy: dict | None) -> list[str]:
 def _notes(summary: dict) -> list[str]:
     """What the comparison above does not show by itself."""
     notes = []
+    basis = summary.get("prediction_basis") or {}
+    unbased = ((basis.get("rounds") or {}).get("rates") or {}).get("none")
+    if basis.get("no_prediction"):
+        notes.append(f"note: no prediction of the air times, uplink_phase_s, round_s or goodput: "
+                     f"{basis['no_prediction']} (the model's rates say nothing about a real link it does not "
+                     f"measure); draft_s and verify_s are still compared")
+    elif unbased:
+        notes.append(f"note: {unbased} round(s) planned a passthrough link the edge had not yet measured; their air "
+                     f"times, uplink_phase_s, round_s and goodput are left out of the phase comparison")
     dl = summary.get("dl_mode_verdicts") or {}
     if "worst_case" in (summary.get("dl_provisioning") or []) and dl.get("with_token"):
         notes.append(

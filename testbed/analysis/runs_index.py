@@ -131,6 +131,8 @@ class RunInfo:
     tags: list = field(default_factory=list)        # --tag
     note: str | None = None                         # --note
     rerun_of: str | None = None                     # `multispin rerun`: the run it repeats
+    fallback_rounds: int = 0                        # rounds planned by a fallback (status degraded)
+    fallbacks: dict = field(default_factory=dict)   # ... per kind (summary.json `fallbacks.by_kind`)
     summary: dict = field(default_factory=dict, repr=False)
     settings: dict = field(default_factory=dict, repr=False)  # the resolved profile, flattened (`flat_settings`)
 
@@ -178,7 +180,9 @@ def run_info(path: str | Path, label: str | None = None, fresh: bool = False) ->
     settings.setdefault("policy", policy)  # a run of an earlier release, or a meta.json without its profile
     settings.setdefault("channel.mode", channel)
     tags = meta.get("tags")
-    return RunInfo(path=path, label=label or path.name, stamp=stamp, profile=prof.get("name"),
+    fb = summary.get("fallbacks") if isinstance(summary.get("fallbacks"), dict) else {}
+    return RunInfo(fallback_rounds=int(fb.get("rounds") or 0), fallbacks=dict(fb.get("by_kind") or {}),
+                   path=path, label=label or path.name, stamp=stamp, profile=prof.get("name"),
                    policy=policy, channel=channel, seed=prof.get("seed", meta.get("seed")), status=status,
                    reason=meta.get("reason") or summary.get("reason"), rounds=int(summary.get("rounds") or 0),
                    rounds_planned=prof.get("rounds"), measured_tps=measured, predicted_tps=predicted,
@@ -281,10 +285,10 @@ def format_runs_table(infos: list[RunInfo]) -> str:
     """The `multispin runs` table: one line per run, units in the header, reasons of unfinished runs below."""
     if not infos:
         return "no runs"
-    head = (f"{'started (UTC)':<20}{'profile':<14}{'policy':<20}{'channel':<12}{'status':<12}{'rounds':>9}"
+    head = (f"{'started (UTC)':<20}{'profile':<14}{'policy':<20}{'channel':<12}{'status':<15}{'rounds':>9}"
             f"{'measured':>10}{'predicted':>11}{'meas/pred':>10}{'seed':>7}  {'tags':<16}run")
-    units = (f"{'':<20}{'':<14}{'':<20}{'':<12}{'':<12}{'done/plan':>9}{'[tok/s]':>10}{'[tok/s]':>11}{'':>10}"
-             f"{'':>7}  {'':<16}")
+    units = (f"{'':<20}{'':<14}{'':<20}{'':<12}{'(fallbacks)':<15}{'done/plan':>9}{'[tok/s]':>10}"
+             f"{'[tok/s]':>11}{'':>10}{'':>7}  {'':<16}")
     lines = [head, units.rstrip()]
     notes = []
     for i in infos:
@@ -293,7 +297,7 @@ def format_runs_table(infos: list[RunInfo]) -> str:
         tags = ",".join(i.tags) or "-"
         tags = tags if len(tags) <= 15 else tags[:12] + "..."
         lines.append(f"{i.stamp or '-':<20}{(i.profile or '-')[:13]:<14}{(i.policy or '-')[:19]:<20}"
-                     f"{(i.channel or '-')[:11]:<12}{i.status[:11]:<12}{rounds:>9}{_num(i.measured_tps, '.2f'):>10}"
+                     f"{(i.channel or '-')[:11]:<12}{_status(i)[:14]:<15}{rounds:>9}{_num(i.measured_tps, '.2f'):>10}"
                      f"{_num(i.predicted_tps, '.2f'):>11}{_num(ratio, '.3f'):>10}{_num(i.seed, 'd'):>7}  {tags:<16}"
                      f"{i.path}")
         more = ([f"overrides: {' '.join(i.overrides)}"] if i.overrides else []) \
@@ -303,12 +307,23 @@ def format_runs_table(infos: list[RunInfo]) -> str:
             lines.append("    " + "; ".join(more))
         if i.status not in ("complete", "running") and (i.reason or i.status == "died"):
             notes.append(f"  {i.label}: {i.status}: {i.reason or 'its process is gone (meta.json says running)'}")
-    lines.append("goodput: all tokens / all round time (goodput_run_tps); status: complete, running, incomplete, "
-                 "interrupted, failed, died (process gone), empty (no rounds); indented: the run's overrides "
-                 "(--set and flags), rerun_of and note")
+        elif i.fallback_rounds and i.status != "degraded":  # a run still going, or of an earlier release
+            notes.append(f"  {i.label}: {i.fallback_rounds} rounds fell back ({_kinds(i.fallbacks)})")
+    lines.append("goodput: all tokens / all round time (goodput_run_tps); status: complete, degraded (complete, "
+                 "rounds fell back), running, incomplete, interrupted, failed, died (process gone), empty (no "
+                 "rounds); indented: the run's overrides (--set and flags), rerun_of and note")
     if notes:
-        lines += ["not complete:"] + notes
+        lines += ["not complete, or degraded:"] + notes
     return "\n".join(lines)
+
+
+def _status(i: RunInfo) -> str:
+    """The status column: the status, and the rounds that fell back when there are any (`degraded (5)`)."""
+    return f"{i.status} ({i.fallback_rounds})" if i.fallback_rounds else i.status
+
+
+def _kinds(by_kind: dict) -> str:
+    return ", ".join(f"{k} {n}" for k, n in by_kind.items()) or "-"
 
 
 # -- side by side ---------------------------------------------------------------------------------------
@@ -346,6 +361,8 @@ def side_by_side(infos: list[RunInfo]) -> str:
     row("profile", [i.profile or "-" for i in infos])
     row("policy", [i.policy or "-" for i in infos])
     row("status", [i.status for i in infos])
+    row("fallback rounds", [f"{i.fallback_rounds} ({_kinds(i.fallbacks)})" if i.fallback_rounds else "0"
+                            for i in infos])
     row("seed", [_num(i.seed, "d") for i in infos])
     row("channel / time base", [f"{s.get('channel_mode') or '-'} / {s.get('time_base') or '-'}" for s in sums])
     row("rounds (done/planned)", [f"{i.rounds}/{i.rounds_planned if i.rounds_planned is not None else '?'}"
@@ -355,6 +372,13 @@ def side_by_side(infos: list[RunInfo]) -> str:
     row("goodput measured [tok/s]", [_num(m, ".2f") for m, _ in gp])
     row("goodput predicted [tok/s]", [_num(p, ".2f") for _, p in gp])
     row("measured / predicted", [_num(m / p if m and p else None, ".3f") for m, p in gp])
+    # What the prediction rests on (summary.json `prediction_basis`; "-": a summary of an earlier release).
+    row("prediction basis: rates", [(s.get("prediction_basis") or {}).get("rates") or "-" for s in sums])
+    if any(s.get("expected_goodput_tps") is not None for s in sums):  # a fading channel's expected goodput
+        row("expected goodput [tok/s]", [
+            "-" if s.get("expected_goodput_tps") is None else f"{s['expected_goodput_tps']:.2f}"
+            + (f" +- {e:.2f}" if (e := (s.get("expected_goodput") or {}).get("stderr_tps")) is not None else "")
+            for s in sums])
     mean = [s.get("goodput_mean_round_tps") or {} for s in sums]
     row("per-round mean meas. [tok/s]", [_num(m.get("measured"), ".2f") for m in mean])
     row("UL-mode device-rounds [%]", [_num(t["ul_share"] * 100 if t["ul_share"] is not None else None, ".1f")
@@ -438,6 +462,8 @@ def aggregate(infos: list[RunInfo]) -> list[dict]:
         out.append({"policy": policy, "channel": mode, "label": f"{policy} [{extra}]" if extra else policy,
                     "settings": {k: (None if v is _ABSENT else v) for k, v in values.items()},
                     "runs": len(runs), "complete": sum(r.status == "complete" for r in runs),
+                    "degraded": sum(r.status == "degraded" for r in runs),
+                    "fallback_rounds": sum(r.fallback_rounds for r in runs),
                     "rounds": sum(r.rounds for r in runs),
                     "measured_mean_tps": m_mean, "measured_std_tps": m_std,
                     "predicted_mean_tps": p_mean, "predicted_std_tps": p_std,
@@ -483,38 +509,48 @@ def format_aggregate(rows: list[dict], reference: str | None = None) -> str:
 
 
 def plot_compare(rows: list[dict], out_dir: str | Path, title: str | None = None) -> list[Path]:
-    """compare_goodput.png: measured and predicted goodput per policy as bars (mean), error bars (± one
-    sample std, with two or more runs) and each run as a point."""
+    """compare_goodput: measured (filled) and predicted (hatched) goodput per policy as bars centred on the
+    policy's tick, in the policy's colour of every figure (mean), error bars (± one sample std, with two or
+    more runs, their count in the legend) and each run as a point; in the style and formats in force, with a
+    caption."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.patches import Patch
+
+    from testbed.analysis import style
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(max(5.5, 1.5 * len(rows) + 2.5), 4.2))
-    x = np.arange(len(rows))
-    w = 0.38
-    for k, (what, color) in enumerate((("measured", "tab:blue"), ("predicted", "tab:gray"))):
-        means = [r[f"{what}_mean_tps"] or 0.0 for r in rows]
-        stds = [r[f"{what}_std_tps"] or 0.0 for r in rows]
-        pos = x + (k - 0.5) * w
-        ax.bar(pos, means, w, yerr=stds if any(stds) else None, capsize=4, color=color, alpha=0.85, label=what,
-               error_kw={"elinewidth": 1.2})
-        for p, r in zip(pos, rows):
-            pts = [v for v in r[f"{what}_tps"] if v is not None]
-            if len(pts) > 1:  # the runs themselves, spread a little so that equal values stay visible
-                ax.scatter(p + np.linspace(-w / 5, w / 5, len(pts)), pts, s=12, color="k", zorder=3, lw=0)
-    ax.set_xticks(x, [f"{_label(r)}\n(n={r['runs']})" for r in rows])
-    ax.set_ylabel("goodput (tokens/s)")
-    n = max((r["runs"] for r in rows), default=1)
-    spread = "mean ± 1 std over the runs; dots: the runs" if n > 1 else "one run per policy"
-    ax.set_title((f"{title}\n" if title else "") + f"goodput per policy ({spread})", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = out / "compare_goodput.png"
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return [path]
+    with style.rc():
+        st = style.current()
+        width = max(st.width_in, (0.5 if st.name == "paper" else 1.5) * len(rows) + 1.5)
+        fig, ax = style.figure(height=width * 0.62 if st.name == "paper" else 4.2)
+        fig.set_size_inches(width, fig.get_size_inches()[1])
+        x = np.arange(len(rows))
+        offsets, w = style.bar_offsets(2, 0.76)
+        colors = [style.policy_color(r["policy"]) for r in rows]
+        for k, what in enumerate(("measured", "predicted")):
+            means = [r[f"{what}_mean_tps"] or 0.0 for r in rows]
+            stds = [r[f"{what}_std_tps"] or 0.0 for r in rows]
+            pos = x + offsets[k]
+            ax.bar(pos, means, w, yerr=stds if any(stds) else None, capsize=3, color=colors if k == 0 else "white",
+                   edgecolor=colors, hatch=None if k == 0 else "////", lw=1.0, label=what,
+                   error_kw={"elinewidth": 1.0})
+            for p, r in zip(pos, rows):
+                pts = [v for v in r[f"{what}_tps"] if v is not None]
+                if len(pts) > 1:  # the runs themselves, spread a little so that equal values stay visible
+                    ax.scatter(p + np.linspace(-w / 5, w / 5, len(pts)), pts, s=8, color="k", zorder=3, lw=0)
+        ax.set_xticks(x, [f"{_label(r)}\n(n={r['runs']})" for r in rows])
+        ax.set_ylabel(style.label("goodput_tps"))
+        ax.grid(False, axis="x")
+        n = max((r["runs"] for r in rows), default=1)
+        spread = style.spread_note(n, "runs", "bars: ± 1 std; dots: the runs")
+        style.title(ax, (f"{title}\n" if title else "") + "goodput per policy")
+        style.legend(ax, spread, handles=[Patch(facecolor="grey", edgecolor="grey", label="measured"),
+                                          Patch(facecolor="white", edgecolor="grey", hatch="////", label="predicted")])
+        caption = (f"{title + ': ' if title else ''}goodput per policy (goodput_run_tps: all tokens / all round "
+                   f"time), measured (filled) and predicted (hatched); {spread}. Runs per policy: "
+                   + ", ".join(f"{_label(r)} {r['runs']}" for r in rows) + ".")
+        return style.save(fig, out / "compare_goodput", caption)

@@ -367,6 +367,14 @@ class LiveSource:
 _STATE_FIELDS = ("gain_db", "snr_db", "ul_rate_bps", "dl_rate_bps")
 
 
+class ChannelSourceError(ValueError):
+    """A channel source raised inside ``link_states``: `source`, `round` and the message name it."""
+
+    def __init__(self, source: str, round_index: int, message: str):
+        self.source, self.round = source, int(round_index)
+        super().__init__(message)
+
+
 class ChannelState:
     """Per-round channel gains in dB for every device, and for rate-fixing sources (a rate trace, a plug-in
     giving rates) the fixed rates. `source` names the `ChannelSource` that gives the per-round states."""
@@ -507,8 +515,14 @@ class ChannelState:
         key = (int(round_index), float(t_s))
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
-        states = self._impl.link_states(round_index, t_s)
         where = f"channel source {self.source!r}, round {round_index}"
+        try:
+            states = self._impl.link_states(round_index, t_s)
+        except Exception as exc:  # the source's own failure, named (a plug-in's bug: docs/extending.md)
+            if self.source in SOURCES and isinstance(exc, ValueError):
+                raise  # a built-in source's own message (a live device without a reading, ...)
+            raise ChannelSourceError(self.source, round_index,
+                                     f"{where}: link_states raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(states, Mapping):
             raise ValueError(f"{where}: link_states returned {type(states).__name__}, not a mapping device -> "
                              "LinkState")

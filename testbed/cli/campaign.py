@@ -38,7 +38,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the per-run, per-point and campaign plots")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar or Python warnings; log warnings and errors only")
-    p.set_defaults(handler=handle, policy=None)
+    from testbed.cli.report import add_figure_arguments, with_figures
+
+    add_figure_arguments(p)  # --style, --format of every plot
+    p.set_defaults(handler=with_figures(handle), policy=None)
 
 
 def handle(args) -> int:

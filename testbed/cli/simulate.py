@@ -17,31 +17,45 @@ from testbed.runtime.heap import keep_freed_memory
 DEFAULT_PROFILE = PROFILES_DIR / "scenarios" / "default.yaml"
 # What a simulation writes into --out: with --force exactly these are replaced, so that no plot of an
 # earlier sweep (e.g. monte_carlo.png of a sweep with --monte-carlo) stays beside the new results.
-OUTPUTS = ("results.csv", "goodput.png", "ul_devices.png", "monte_carlo.png", "meta.json")
+OUTPUTS = ("results.csv", *(f"{fig}.{ext}" for fig in ("goodput", "ul_devices", "monte_carlo", "goodput_ul_share")
+                            for ext in ("png", "pdf", "svg", "caption.txt")), "meta.json")
+
+
+# Keys of a run profile that a campaign can sweep and the analytic model has no field for.
+_RUN_ONLY = {"on_air_vocab_size": "the live vocabulary on the air; here sweep vocab_size (the scenario's V)"}
 
 
 def parse_sweep(text: str) -> tuple[str, list]:
-    """'KEY=V1,V2,...' -> (key, values), with clear errors (`SimulationError`)."""
-    from testbed.core.simulate import INT_KEYS, SWEEP_KEYS, SimulationError
-    from testbed.run.config_override import split_key_value, split_values
+    """'KEY=V1,V2,...' -> (key, values), with clear errors (`SimulationError`). The strings of a campaign's
+    --sweep work here too (`testbed.run.campaign.parse_sweep`): the same keys (devices, the simulator's keys,
+    a scenario field with or without ``scenario.``), each value read as YAML (1e6 a number, fdma_shared a name)."""
+    import yaml
 
-    key, rest = split_key_value(text, "--sweep", f"KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}",
-                                SimulationError)
-    if key not in SWEEP_KEYS:
-        raise SimulationError(f"sweep key {key!r} is not allowed; allowed keys: {', '.join(SWEEP_KEYS)}")
-    values = []
+    from testbed.core.scenario import Scenario
+    from testbed.core.simulate import SWEEP_KEYS, SimulationError, sweep_key, sweep_values
+    from testbed.run.config_override import split_key_value, split_values
+    from testbed.run.profile import Profile
+
+    given, rest = split_key_value(text, "--sweep", f"KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}",
+                                  SimulationError)
+    head = given.split(".")[0]
+    scenario_keys = ("scenario", *Scenario.model_fields, *SWEEP_KEYS)
+    if head in _RUN_ONLY or head in Profile.model_fields and head not in scenario_keys:
+        why = _RUN_ONLY.get(head, "simulate plans a scenario: sweep its keys (scenario.*) or the simulator's")
+        raise SimulationError(f"--sweep {text}: {given!r} is a run profile's key ({why})")
+    key = sweep_key(given)
+    items = []
     for item in split_values(rest):
         try:
-            v = float(item)
-        except ValueError:
-            raise SimulationError(f"sweep value {item!r} for {key} is not a number") from None
-        if key in INT_KEYS:
-            if not v.is_integer():
-                raise SimulationError(f"sweep value {item!r} for {key} must be an integer")
-            v = int(v)
-        values.append(v)
-    if not values:
+            value = yaml.safe_load(item)
+        except yaml.YAMLError:
+            raise SimulationError(f"--sweep {text}: value {item!r} is not valid YAML") from None
+        items.append(value if isinstance(value, (int, float)) and not isinstance(value, bool) else item)
+    if not items:
         raise SimulationError(f"--sweep {text!r}: no values given")
+    values = sweep_values(key, items)
+    if len({repr(v) for v in values}) != len(values):
+        raise SimulationError(f"--sweep {text}: a value is listed twice")
     return key, values
 
 
@@ -55,7 +69,14 @@ def register(subparsers) -> None:
                         "profiles/scenarios/default.yaml); a run profile's scenario: section is used")
     p.add_argument("--sweep", required=True,
                    help="KEY=V1,V2,... with KEY one of devices, dl_bandwidth (Hz), dl_power (W), ul_bandwidth "
-                        "(Hz), bits_per_prob, acceptance, vocab_size, max_draft_len")
+                        "(Hz per device), uplink_total_bandwidth_hz (Hz, a shared uplink's band), ul_access "
+                        "(dedicated,fdma_shared), bits_per_prob, acceptance, vocab_size, max_draft_len, or any "
+                        "scenario field (ul_min_share, drop.max_power_w; a campaign's scenario.KEY too); values "
+                        "read as YAML, as `campaign --sweep` reads them")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a field of the scenario before the sweep (repeatable), as `plan --set`: a "
+                        "scenario file's keys (--set ul_access=fdma_shared, a leading scenario. is dropped), a "
+                        "run profile's or its scenario's")
     p.add_argument("--drops", type=int, default=5, help="random drops per sweep point (default 5)")
     p.add_argument("--policies", default=None,
                    help="comma-separated policies (default: all but exhaustive)")
@@ -80,7 +101,10 @@ def register(subparsers) -> None:
                    help="run the tasks on Ray: on a new local instance, or on the cluster at ADDRESS (e.g. "
                         "auto, ray://HEAD:10001; its nodes need this package installed); needs the cluster "
                         "extra: pip install multispin-testbed[cluster]")
-    p.set_defaults(handler=run)
+    from testbed.cli.report import add_figure_arguments, with_figures
+
+    add_figure_arguments(p)  # --style, --format of every plot
+    p.set_defaults(handler=with_figures(run))
 
 
 RAY_INSTALL = "pip install multispin-testbed[cluster]"
@@ -248,8 +272,8 @@ def run(args) -> int:
         run_sweep,
         summary_table,
     )
-    from testbed.run.config_override import fixed_length_notes, policy_list
-    from testbed.run.profile import load_plan_scenario
+    from testbed.run.config_override import OverrideError, fixed_length_notes, parse_set, policy_list
+    from testbed.run.profile import ProfileError, resolve_plan_source
 
     keep_freed_memory()  # the serial sweep plans here (`testbed.runtime.heap`); workers call it themselves
     for flag, value in (("--rounds", args.rounds), ("--drops", args.drops)):
@@ -267,11 +291,12 @@ def run(args) -> int:
     policies = policy_list(args.policies) if args.policies else list(DEFAULT_POLICIES)
     out = Path(args.out)
     try:
-        base, note = load_plan_scenario(args.profile, DEFAULT_PROFILE)
+        src = resolve_plan_source(args.profile, parse_set(args.set), DEFAULT_PROFILE)
+        base, note = src.scenario, src.note
         key, values = parse_sweep(args.sweep)
         for value in values:  # a bad point fails here, before --out is touched or a worker started
             point_scenario(base, key, value, 0, args.seed)
-    except (ScenarioError, SimulationError) as exc:
+    except (ScenarioError, SimulationError, ProfileError, OverrideError) as exc:
         raise CliError(str(exc)) from None
     if note:
         print(note, file=sys.stderr)
@@ -351,7 +376,8 @@ def _write_meta(path: Path, args, base, key: str, values: list, policies: list[s
     meta = {"created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "argv": sys.argv,
             "command": "simulate", "version": __version__, "git_revision": git_revision(),
             "packages": package_versions(), "profile": str(args.profile or DEFAULT_PROFILE), "seed": args.seed,
-            "sweep": {"key": key, "values": values}, "drops": args.drops, "policies": policies,
+            "sweep": {"key": key, "values": values, "given": args.sweep}, "set": list(args.set or []),
+            "drops": args.drops, "policies": policies,
             "fixed_length": args.fixed_length or 4,
             "monte_carlo_rounds": args.rounds if args.monte_carlo else 0, "rows": rows,
             "channel": (getattr(args, "channel_state", None) if args.channel else None),

@@ -98,6 +98,7 @@ class Scorer:
             self.tdma_rate = radio.shannon_rate_bps(sc.downlink_bandwidth_hz, sc.downlink_power_w,
                                                     tb.dl_gains, self.n0)
         self.evaluations = 0
+        self.greedy_fixed: dict[bytes, np.ndarray] = {}  # `fixed_greedy`: greedy with fill per fixed mode vector
         self.sync = sc.rounds == "synchronous"
         self.t_over = sc.round_overhead_s
         # flat tables: entry j * lmax + (L - 1)
@@ -1032,7 +1033,18 @@ def _fixed_bound(s: Scorer, t_ones: float) -> float:
     return float(np.nanmax(bound))
 
 
-def _multistart(s: Scorer, fixed_scorer) -> np.ndarray:
+def fixed_greedy(s: Scorer, ul) -> np.ndarray:
+    """Greedy with fill under the fixed modes `ul` (`FixedModes`, optimal DL powers), once per scorer and mode
+    vector: `proposed` on a shared uplink asks for the all-UL and all-DL points that `_multistart` may have
+    computed on the same scorer already."""
+    ul = np.asarray(ul, bool)
+    key = ul.tobytes()
+    if key not in s.greedy_fixed:
+        s.greedy_fixed[key] = greedy(s, FixedModes(s, ul), fill=True)
+    return s.greedy_fixed[key].copy()
+
+
+def _multistart(s: Scorer, fixed_scorer=None) -> np.ndarray:
     """Greedy with fill is path dependent: from L = 1 the cheap short UL uploads look best, and the
     region of long drafts over a shared DL is not reached one device at a time. So start it from
     several points (all ones; the lengths all-DL and all-UL greedy reach; the best common length),
@@ -1048,7 +1060,7 @@ def _multistart(s: Scorer, fixed_scorer) -> np.ndarray:
     for ul, t_ones in zip(ul_starts, T_ones):
         if s.sc.rounds == "synchronous" and _fixed_bound(s, t_ones) <= max(scores):
             continue  # a start that cannot beat what is already in hand
-        L = greedy(s, fixed_scorer(ul), fill=True)
+        L = fixed_greedy(s, ul) if fixed_scorer is None else greedy(s, fixed_scorer(ul), fill=True)
         starts.append(L)
         scores.append(s.prefix(L[None])[0][0])
     best = int(np.argmax(scores))
@@ -1144,7 +1156,7 @@ def _proposed_shared(sc: Scenario, s_eq: Scorer, fixed_length: int):
     cands: list[tuple[np.ndarray, np.ndarray]] = []
     s, best_g = s_eq, -np.inf
     for _ in range(3):
-        L = _multistart(s, lambda ul, s=s: FixedModes(s, ul))
+        L = _multistart(s)
         ul = s.prefix(L[None])[2][0]
         cands.append((L, ul))
         G, _, bands = s_eq.exact(L[None], ul[None])
@@ -1152,8 +1164,6 @@ def _proposed_shared(sc: Scenario, s_eq: Scorer, fixed_length: int):
             break
         best_g = G[0]
         s = Scorer(sc, ul_bandwidths=bands[0])
-    for ul in (np.ones(n, bool), np.zeros(n, bool)):
-        cands.append((greedy(s_eq, FixedModes(s_eq, ul), fill=True), ul))
     Lc = np.repeat(np.arange(1, lmax + 1)[:, None], n, axis=1)
     ulc = s_eq.prefix(Lc)[2]
     cands += [(Lc[i], ulc[i]) for i in range(lmax)] + [(Lc[i], np.ones(n, bool)) for i in range(lmax)]
@@ -1161,7 +1171,22 @@ def _proposed_shared(sc: Scenario, s_eq: Scorer, fixed_length: int):
         cands.append(_multispin_heterogeneous(s_eq))
     Ls = np.array([c[0] for c in cands])
     uls = np.array([c[1] for c in cands])
-    G, _, bands = s_eq.exact(Ls, uls)
+    G = s_eq.exact(Ls, uls)[0]
+    # All-UL and all-DL greedy (on the equal share; cached from `_multistart` on it). In synchronous rounds a
+    # fixed mode vector whose round time at L = 1, band split, already bounds its goodput below the best
+    # candidate in hand cannot be the best (`_fixed_bound`: every phase, the split uplink's too, grows with L)
+    # and is not planned. They go first among the candidates, as before: argmax keeps the first of equals.
+    modes = np.array([np.ones(n, bool), np.zeros(n, bool)])
+    t_ones = s_eq.exact(np.ones((2, n), int), modes)[1] if s_eq.sync else None
+    fixed = [(fixed_greedy(s_eq, ul), ul) for m, ul in enumerate(modes)
+             if t_ones is None or _fixed_bound(s_eq, float(t_ones[m])) > G.max()]
+    if fixed:
+        Lf = np.array([c[0] for c in fixed])
+        ulf = np.array([c[1] for c in fixed])
+        k = len(cands) - (2 * lmax + (n <= _HET_START_MAX_N))  # the alternating plans come first
+        Ls = np.concatenate([Ls[:k], Lf, Ls[k:]])
+        uls = np.concatenate([uls[:k], ulf, uls[k:]])
+        G = np.concatenate([G[:k], s_eq.exact(Lf, ulf)[0], G[k:]])
     i = int(np.argmax(G))
     L, ul, g = Ls[i], uls[i], G[i]
     if n <= _ALL_MODES_MAX_N:  # polish: every mode vector per row, greedy from ones and from the best, then +-1
@@ -1214,7 +1239,7 @@ class BuiltinPolicy:
             L, ul = _multispin_heterogeneous(s)
         elif policy in ("proposed", "proposed-basic"):
             if policy == "proposed":
-                L = _multistart(s, fixed_scorer)
+                L = _multistart(s)
             else:
                 L = greedy(s, s.prefix, fill=False)
             ul = s.prefix(L[None])[2][0]

@@ -26,7 +26,9 @@ SWEEP_KEYS = {
     "devices": "number of devices N (drawn per drop; the first N of the largest draw)",
     "dl_bandwidth": "downlink_bandwidth_hz, Hz",
     "dl_power": "downlink_power_w, W",
-    "ul_bandwidth": "uplink_bandwidth_hz, Hz",
+    "ul_bandwidth": "uplink_bandwidth_hz, Hz (per device; a shared band's default total is N times it)",
+    "uplink_total_bandwidth_hz": "the shared uplink's total band B^U, Hz (with ul_access: fdma_shared)",
+    "ul_access": "dedicated or fdma_shared",
     "bits_per_prob": "bits_per_prob, bits",
     "acceptance": "every device's acceptance (replaces the drop's acceptance range)",
     "vocab_size": "vocab_size, entries",
@@ -34,8 +36,11 @@ SWEEP_KEYS = {
 }
 _FIELD = {"dl_bandwidth": "downlink_bandwidth_hz", "dl_power": "downlink_power_w",
           "ul_bandwidth": "uplink_bandwidth_hz", "bits_per_prob": "bits_per_prob",
-          "vocab_size": "vocab_size", "max_draft_len": "max_draft_len"}
+          "vocab_size": "vocab_size", "max_draft_len": "max_draft_len", "ul_access": "ul_access",
+          "uplink_total_bandwidth_hz": "uplink_total_bandwidth_hz"}
+_ALIAS = {field: key for key, field in _FIELD.items()}  # a scenario field -> its sweep key
 INT_KEYS = {"devices", "bits_per_prob", "vocab_size", "max_draft_len"}  # sweep keys whose values are integers
+TEXT_KEYS = {"ul_access"}  # sweep keys whose values are names
 DEFAULT_POLICIES = [p for p in POLICIES if p != "exhaustive"]
 
 
@@ -53,10 +58,84 @@ def draw_devices(drop: DropSpec, n: int, seed) -> list[dict]:
                  draft_time_s=float(t[i]), acceptance=float(a[i])) for i in range(n)]
 
 
+def sweep_key(key: str) -> str:
+    """The sweep key that `key` names: a key of SWEEP_KEYS, or a scenario field (``downlink_bandwidth_hz``,
+    ``ul_min_share``, ``drop.max_power_w``), with or without a leading ``scenario.`` (a campaign's spelling); a
+    field with a sweep key of its own is that key (``scenario.downlink_bandwidth_hz`` -> ``dl_bandwidth``).
+    Anything else raises `SimulationError` naming the allowed keys."""
+    key = key.strip()
+    bare = key[len("scenario."):] if key.startswith("scenario.") else key
+    if bare in SWEEP_KEYS:
+        return bare
+    if bare in _ALIAS:
+        return _ALIAS[bare]
+    head, _, rest = bare.partition(".")
+    if head == "drop" and rest in DropSpec.model_fields and rest != "num_devices":
+        return bare
+    if not rest and head in Scenario.model_fields and head not in ("devices", "drop"):
+        return bare
+    hint = (" (devices are drawn per drop: sweep `devices`, `acceptance` or a drop.* field)"
+            if head == "devices" else "")
+    raise SimulationError(f"sweep key {key!r} is not allowed; allowed keys: {', '.join(SWEEP_KEYS)}, or a "
+                          f"scenario field (e.g. ul_min_share, scenario.downlink_power_w, drop.max_power_w){hint}")
+
+
+def key_kind(key: str) -> str:
+    """'int', 'float' or 'text': what the values of a sweep key are (`sweep_key`'s result)."""
+    if key in INT_KEYS:
+        return "int"
+    if key in TEXT_KEYS:
+        return "text"
+    if key in SWEEP_KEYS:
+        return "float"
+    head, _, rest = key.partition(".")
+    field = DropSpec.model_fields[rest] if head == "drop" else Scenario.model_fields[head]
+    ann = field.annotation
+    if ann is int:
+        return "int"
+    if ann is float or ann == (float | None) or ann == (int | None):
+        return "float"
+    return "text"
+
+
+def sweep_values(key: str, values: Iterable) -> list:
+    """The values of a sweep key, typed: integers for an integer key, floats for a number (text that reads as a
+    number is one), names as given; a value of the wrong kind raises `SimulationError`."""
+    kind, out = key_kind(key), []
+    for item in values:
+        if kind == "text":
+            out.append(item)
+            continue
+        try:
+            v = float(item) if not isinstance(item, bool) else float("nan")
+        except (TypeError, ValueError):
+            raise SimulationError(f"sweep value {item!r} for {key} is not a number") from None
+        if not np.isfinite(v):
+            raise SimulationError(f"sweep value {item!r} for {key} is not a number")
+        if kind == "int":
+            if not v.is_integer():
+                raise SimulationError(f"sweep value {item!r} for {key} must be an integer")
+            v = int(v)
+        out.append(v)
+    if not out:
+        raise SimulationError(f"sweep {key}: no values given")
+    return out
+
+
 def point_scenario(base: Scenario, key: str, value, drop_index: int, seed: int) -> Scenario:
-    """The scenario of one sweep point and drop."""
-    drop = base.drop
+    """The scenario of one sweep point and drop (`key` as `sweep_key` returns it)."""
     data = base.model_dump(exclude_none=True)
+    head, _, rest = key.partition(".")
+    if head == "drop":
+        if base.drop is None:
+            raise SimulationError(f"sweep key {key!r} needs a `drop:` section in the profile")
+        data["drop"][rest] = value
+        try:
+            drop = DropSpec.model_validate(data["drop"])
+        except ValueError as exc:
+            raise SimulationError(f"sweep point {key}={value}: {exc}") from None
+    else:
+        drop = base.drop
     if drop is None:
         if key in ("devices", "acceptance"):
             raise SimulationError(f"sweep key {key!r} needs a `drop:` section in the profile")
@@ -67,8 +146,8 @@ def point_scenario(base: Scenario, key: str, value, drop_index: int, seed: int) 
     if key == "acceptance":
         for d in devices:
             d["acceptance"] = float(value)
-    elif key != "devices":
-        data[_FIELD[key]] = value
+    elif key != "devices" and head != "drop":
+        data[_FIELD.get(key, key)] = value
     data["devices"] = devices
     return Scenario.from_dict(data, source=f"sweep point {key}={value}")
 
@@ -184,8 +263,7 @@ def run_sweep(base: Scenario, key: str, values: Iterable, *, drops: int = 5,
            and not callable(getattr(p, "decide", None))]
     if bad:
         raise SimulationError(f"unknown policy {bad[0]!r}; allowed: {', '.join(POLICIES)}")
-    if key not in SWEEP_KEYS:
-        raise SimulationError(f"sweep key {key!r} is not allowed; allowed keys: {', '.join(SWEEP_KEYS)}")
+    key = sweep_key(key)
     if drops < 1:
         raise SimulationError(f"drops: {drops} is not allowed: must be >= 1")
     tasks = sweep_tasks(values, drops)
@@ -216,6 +294,11 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
+def _shown(value) -> str:
+    """A sweep value as the table writes it: a number in %g, a name as it is."""
+    return format(value, "g") if isinstance(value, (int, float)) else str(value)
+
+
 def summary_table(rows: list[dict]) -> str:
     """Mean goodput per policy per point, K* of `proposed`, and how proposed compares with the best
     other policy (a ratio < 1 means another policy beat it on average)."""
@@ -224,11 +307,12 @@ def summary_table(rows: list[dict]) -> str:
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     has_mc = any("mc_goodput_tps" in r for r in rows)
     width = max(12, *(len(p) for p in policies)) + 1
-    head = (f"{key:>12} " + "".join(f"{p:>{width}}" for p in policies)
+    kw = max(12, len(key), *(len(_shown(v)) for v in s))
+    head = (f"{key:>{kw}} " + "".join(f"{p:>{width}}" for p in policies)
             + f"{'K*':>7}{'best other':>{width}}{'prop/best':>10}")
     lines = ["mean goodput, tokens/s (K* = mean UL devices of `proposed`)", head]
     for v, per in s.items():
-        line = f"{v:>12g} " + "".join(f"{per[p][0]:>{width}.2f}" for p in policies)
+        line = f"{_shown(v):>{kw}} " + "".join(f"{per[p][0]:>{width}.2f}" for p in policies)
         k = f"{per['proposed'][1]:.1f}" if "proposed" in per else "-"
         others = {p: per[p][0] for p in policies if p != "proposed"}
         best = max(others, key=others.get) if others else "-"
@@ -239,6 +323,6 @@ def summary_table(rows: list[dict]) -> str:
     if has_mc:
         lines.append("Monte Carlo goodput (token-level, realized DL set), tokens/s")
         for v, per in s.items():
-            lines.append(f"{v:>12g} " + "".join(
+            lines.append(f"{_shown(v):>{kw}} " + "".join(
                 f"{(per[p][2] if per[p][2] is not None else float('nan')):>{width}.2f}" for p in policies))
     return "\n".join(lines)

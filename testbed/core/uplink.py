@@ -39,15 +39,21 @@ def band_for_rate_hz(rate_bps, snr_hz, iters: int = 60):
     cc = np.where(ok, c, 0.5)
     # Start right of the root of h(x) = ln(1 + x) - c x (concave): ln(1 + x) <= sqrt(x) gives x = 1 / c^2;
     # near c = 1, ln(1 + x) <= x - x^2 / 6 on [0, 1] gives x = 6 (1 - c). Newton then descends onto the root.
-    x = 1.0 / cc ** 2
+    # For small c, (2 / c) ln(2 / c) is right of the root too (with y = 2 / c >= 2, 1 + y ln y < y^2) and much
+    # nearer: fewer Newton steps.
+    x = np.minimum(1.0 / cc ** 2, (2.0 / cc) * np.log(2.0 / cc))
     near = 6.0 * (1.0 - cc)
     x = np.where(near <= 1.0, np.minimum(x, near), x)
     for _ in range(iters):
-        h = np.log1p(x) - cc * x
+        lg = np.log1p(x)
+        h = lg - cc * x
         dh = 1.0 / (1.0 + x) - cc
         step = h / dh
         x_new = np.maximum(x - step, 0.5 * x)  # stays right of 0 (the trivial root)
-        if np.all(np.abs(x_new - x) <= 4e-16 * x):
+        # Done when no step moves x by more than 2 ulp, or h is at the level of its own rounding (near c = 1
+        # h is a difference of two nearly equal terms and Newton then hops between neighbouring floats: it
+        # used to run all `iters` steps there). Newton converges quadratically: this step lands on the root.
+        if np.all((np.abs(x_new - x) <= 4e-16 * x) | (np.abs(h) <= 1e-15 * (lg + cc * x))):
             x = x_new
             break
         x = x_new

@@ -44,12 +44,17 @@ DEVICES = "devices"
 # The offline simulator's sweep keys (testbed.core.simulate.SWEEP_KEYS) -> the live profile's field.
 ALIASES = {"dl_bandwidth": "scenario.downlink_bandwidth_hz", "dl_power": "scenario.downlink_power_w",
            "ul_bandwidth": "scenario.uplink_bandwidth_hz", "bits_per_prob": "scenario.bits_per_prob",
-           "max_draft_len": "scenario.max_draft_len", "vocab_size": "on_air_vocab_size"}
+           "max_draft_len": "scenario.max_draft_len", "vocab_size": "on_air_vocab_size",
+           "ul_access": "scenario.ul_access", "uplink_total_bandwidth_hz": "scenario.uplink_total_bandwidth_hz"}
+_NAMED = {"ul_access"}  # aliases whose values are names, not numbers
 # Keys a campaign sets itself, or that would need another model pair per point.
 REFUSED = {"policy": "use --policies", "seed": "use --seed and --repeats", "model": "one model pair per campaign"}
 SPEC_FILE, RESULTS_FILE, SUMMARY_FILE = "campaign.json", "results.csv", "summary.txt"
 COMPLETE = "complete"
-RESULT_FIELDS = ("key", "value", "policy", "repeat", "seed", "status", "rounds", "tokens", "time_s", "time_base",
+# Finished runs (results.csv rows, not run again): complete, or degraded (complete, rounds fell back).
+FINISHED = (COMPLETE, "degraded")
+RESULT_FIELDS = ("key", "value", "policy", "repeat", "seed", "status", "fallback_rounds", "fallbacks", "rounds",
+                 "tokens", "time_s", "time_base",
                  "measured_goodput_tps", "predicted_goodput_tps", "measured_mean_round_tps",
                  "predicted_mean_round_tps", "ul_share", "measured_energy_j", "predicted_energy_j",
                  "measured_tokens_per_j", "predicted_tokens_per_j", "wall_s", "tags", "run")
@@ -71,9 +76,9 @@ class Sweep:
 
 
 def parse_sweep(text: str) -> Sweep:
-    """`KEY=V1,V2,...`: KEY is `devices`, a simulator key (dl_bandwidth, dl_power, ul_bandwidth,
-    bits_per_prob, max_draft_len, vocab_size) or any dotted profile key; each value is read as YAML (1e6 as
-    a number)."""
+    """`KEY=V1,V2,...`: KEY is `devices`, a simulator key (dl_bandwidth, dl_power, ul_bandwidth, bits_per_prob,
+    max_draft_len, vocab_size, ul_access, uplink_total_bandwidth_hz) or any dotted profile key; each value is
+    read as YAML (1e6 as a number)."""
     key, rest = split_key_value(text, "--sweep", "KEY=V1,V2,..., e.g. --sweep devices=2,4,8", CampaignError)
     head = key.split(".")[0]
     if head in REFUSED:
@@ -89,7 +94,7 @@ def parse_sweep(text: str) -> Sweep:
         raise CampaignError(f"--sweep {text}: no values given")
     if len({json.dumps(v, sort_keys=True) for v in values}) != len(values):
         raise CampaignError(f"--sweep {text}: a value is listed twice")
-    if key == DEVICES or key in ALIASES:
+    if key == DEVICES or key in ALIASES and key not in _NAMED:
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise CampaignError(f"--sweep {text}: {v!r} is not a number")
@@ -260,7 +265,7 @@ def open_campaign(camp: Campaign) -> int:
         created = datetime.now().astimezone().isoformat(timespec="seconds")
         spec_path.write_text(json.dumps({**spec, "created_utc": created, "version": __version__,
                                          "git_revision": git_revision()}, indent=2) + "\n")
-    return sum(run_status(r.run_dir) == COMPLETE for r in camp.runs)
+    return sum(run_status(r.run_dir) in FINISHED for r in camp.runs)
 
 
 def run_status(run_dir: Path) -> str | None:
@@ -304,7 +309,7 @@ def run_campaign(camp: Campaign, pair: dict, *, plots: bool = True, progress: bo
                disable=not progress, dynamic_ncols=True)
     try:
         for k, run in enumerate(camp.runs):
-            if run_status(run.run_dir) == COMPLETE:
+            if run_status(run.run_dir) in FINISHED:
                 continue
             what = f"{run.label} {run.policy}" + (f" rep{run.repeat}" if camp.repeats > 1 else "")
             resume = _resume_or_reset(run)
@@ -367,7 +372,9 @@ def result_row(camp: Campaign, run: CampaignRun) -> dict:
     ul, dl = sum(d.get("ul_rounds", 0) for d in devs), sum(d.get("dl_rounds", 0) for d in devs)
     mean = s.get("goodput_mean_round_tps") or {}
     return {"key": camp.sweep.key, "value": run.value, "policy": run.policy, "repeat": run.repeat,
-            "seed": run.profile.seed, "status": info.status, "rounds": info.rounds, "tokens": s.get("tokens"),
+            "seed": run.profile.seed, "status": info.status, "fallback_rounds": info.fallback_rounds,
+            "fallbacks": ";".join(f"{k}={n}" for k, n in info.fallbacks.items()),
+            "rounds": info.rounds, "tokens": s.get("tokens"),
             "time_s": s.get("time_s"), "time_base": s.get("time_base"), "measured_goodput_tps": info.measured_tps,
             "predicted_goodput_tps": info.predicted_tps, "measured_mean_round_tps": mean.get("measured"),
             "predicted_mean_round_tps": mean.get("predicted"), "ul_share": ul / (ul + dl) if ul + dl else None,
@@ -389,7 +396,7 @@ def _wall_s(meta: dict) -> float | None:
 
 def write_results(camp: Campaign) -> list[dict]:
     """results.csv from every complete run (rewritten whole, then renamed: a reader never sees half a file)."""
-    rows = [result_row(camp, r) for r in camp.runs if run_status(r.run_dir) == COMPLETE]
+    rows = [result_row(camp, r) for r in camp.runs if run_status(r.run_dir) in FINISHED]
     path = camp.out / RESULTS_FILE
     tmp = path.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:

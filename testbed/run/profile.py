@@ -98,9 +98,10 @@ class ChannelSettings(_Strict):
                                       {"message": str(exc), "problems": exc.problems}) from None
         source = value.get("source", "model") if isinstance(value, dict) else "model"
         if source not in _builtin_sources():
-            from testbed.runtime.plugins import load_channel_source
+            from testbed.runtime.plugins import channel_source_params, load_channel_source
 
             load_channel_source(source)  # imported now: a bad path or interface fails before any run starts
+            channel_source_params(value)  # channel.state.params against the source's Params, named
         return value
 
     @model_validator(mode="after")
@@ -113,6 +114,9 @@ class ChannelSettings(_Strict):
 
 class ModelSettings(_Strict):
     pair: Literal["default", "local"] = "default"
+    # A pair in the model cache by name: <$MULTISPIN_CACHE or ~/.cache/multispin>/models/NAME/ (docs/models.md);
+    # target/draft_onnx/tokenizer then default to its files and, given, are relative to it.
+    name: str | None = Field(default=None, description="a pair in the model cache (pair: local)")
     target: str | None = Field(default=None, description="HF dir or GGUF file of the target (pair: local)")
     draft_onnx: str | None = Field(default=None, description="the draft's ONNX file (pair: local)")
     tokenizer: str | None = Field(default=None, description="tokenizer JSON or HF dir (pair: local)")
@@ -123,6 +127,21 @@ class ModelSettings(_Strict):
 
     @model_validator(mode="after")
     def _local_paths(self):
+        from model_pairs.cache import NamedPairError, expand_path, resolve_named_pair
+
+        if self.name is not None:
+            if self.pair != "local":
+                raise ValueError(f"model.name {self.name!r} names a pair in the model cache: set model.pair: local")
+            try:
+                paths = resolve_named_pair(self.name, self.target, self.draft_onnx, self.tokenizer)
+            except NamedPairError as exc:
+                raise ValueError(str(exc)) from None
+            for key, value in paths.items():
+                setattr(self, key, value)
+        elif self.pair == "local":  # ${MULTISPIN_CACHE} and ~ expanded; existence checked when the run starts
+            for key in ("target", "draft_onnx", "tokenizer"):
+                if getattr(self, key):
+                    setattr(self, key, str(expand_path(getattr(self, key))))
         if self.pair == "local":
             missing = [f for f in ("target", "draft_onnx", "tokenizer") if not getattr(self, f)]
             if missing:
@@ -145,6 +164,9 @@ class EstimatorSettings(_Strict):
     fit_verify_after: int = Field(default=5, ge=0, description="0 = keep the profile's t0, t1")
     # T_0: the median residual of the measured round time beyond the modeled phases (last 20 rounds).
     fit_round_overhead: bool = True
+    # Before round 0: each device's drafting time per token as it timed itself (its `register`), and t0, t1
+    # timed on the target at a few batch shapes, replace the priors (false: round 0 is planned on the priors).
+    calibrate: bool = True
 
 
 class PinSettings(_Strict):
@@ -177,6 +199,14 @@ class Profile(_Strict):
     prompts: list[str] | None = None
     prompts_file: str | None = None
     policy: str = "proposed"
+    # Plug-in policies' parameters by policy name (each checked against the plug-in's Params at load; a compare
+    # or campaign gives each plug-in its own): {NAME: {PARAM: VALUE}}.
+    policy_params: dict[str, dict[str, Any]] = Field(default_factory=dict,
+                                                     description="plug-in policy name -> its parameters")
+    # A plug-in (policy, channel source) that raises while the run plans: stop the run (exit status 3), or
+    # plan that round without it (`fallback_policy`; the channel: the scenario's static gains), status degraded.
+    on_plugin_error: Literal["stop", "fallback"] = "stop"
+    fallback_policy: str = Field(default="all-dl", description="the built-in policy a round falls back to")
     fixed_length: int = Field(default=4, ge=1)
     deadline_s: float = Field(default=10.0, gt=0, description="a device's draft must arrive within this")
     max_misses: int = Field(default=2, ge=1, description="consecutive misses before a device leaves the session")
@@ -225,6 +255,26 @@ class Profile(_Strict):
         from testbed.runtime.plugins import check_policy
 
         check_policy(value)  # a plug-in is imported now: a bad path or interface fails before any run starts
+        return value
+
+    @field_validator("fallback_policy")
+    @classmethod
+    def _builtin_fallback(cls, value):
+        from testbed.core.optimizer import POLICIES
+        from testbed.runtime.errors import did_you_mean
+
+        if value not in POLICIES:
+            raise ValueError(f"must be a built-in policy{did_you_mean(value, POLICIES)} (a fallback must not fail "
+                             f"as a plug-in may; allowed: {', '.join(POLICIES)})")
+        return value
+
+    @field_validator("policy_params")
+    @classmethod
+    def _known_params(cls, value):
+        from testbed.runtime.plugins import load_policy
+
+        for name, params in value.items():
+            load_policy(name, params)  # unknown parameters (or a plug-in without Params) fail now, named
         return value
 
     @model_validator(mode="after")

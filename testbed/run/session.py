@@ -7,9 +7,11 @@ meta.json (status running -> complete | incomplete | interrupted | failed, with 
 codes of the processes), rounds.jsonl, progress.jsonl, outputs.json, summary.json (every run, with its
 status), logs/<process>.log.
 
-Statuses: ``complete`` (every round ran, or every session finished), ``incomplete`` (every device left
-before the last round), ``interrupted`` (Ctrl-C, SIGTERM, SIGHUP), ``failed`` (an error; the reason says
-which). `load_resume` + ``run_live(..., resume=...)`` continue an interrupted run in its own directory.
+Statuses: ``complete`` (every round ran, or every session finished), ``degraded`` (complete, but rounds fell
+back: summary.json's ``fallbacks`` counts them per kind), ``incomplete`` (every device left before the last
+round), ``interrupted`` (Ctrl-C, SIGTERM, SIGHUP), ``failed`` (an error; the reason says which; a plug-in
+that raised: ``plugin_failure`` names it, the round and the error, its traceback in logs/plugin_error.log).
+`load_resume` + ``run_live(..., resume=...)`` continue an interrupted run in its own directory.
 """
 
 from __future__ import annotations
@@ -51,16 +53,20 @@ from testbed.run.launcher import (
     status_of,
     tcp_port,
 )
+from testbed.run.planning import add_expected_goodput
 from testbed.run.profile import Profile, ProfileError, load_profile
 from testbed.runtime.errors import TestbedError
 from testbed.runtime.heap import keep_freed_memory
-from testbed.runtime.plugins import channel_state_from_config
+from testbed.runtime.plugins import PluginFailure
 from testbed.runtime.processes import how_it_exited
 from testbed.runtime.records import RunRecorder, iter_rounds, load_progress
 from testbed.runtime.security import EDGE_CLIENT, ClientKeys, SecurityError, ServerKeys, require_keys_or_insecure
 from testbed.runtime.waiting import busy_poll_wanted
 
 log = logging.getLogger("multispin.session")
+# A run that completed with rounds planned by a fallback (summary.json `fallbacks`): done, like complete.
+DEGRADED = "degraded"
+FINISHED = (COMPLETE, DEGRADED)
 
 
 @dataclass
@@ -97,6 +103,7 @@ class LiveSession:
     server: EdgeServer | None = None
     channel: ChannelControl | None = None
     outputs: dict[str, dict] = field(default_factory=dict)  # latest progress per device (progress.jsonl)
+    failure: dict | None = None  # a plug-in that raised (`PluginFailure.as_dict`): meta and summary keep it
 
     @property
     def names(self) -> list[str]:
@@ -173,18 +180,10 @@ def load_device_hardware(profile: Profile, names: list[str]) -> dict[str, Hardwa
 
 
 def make_controller(profile: Profile, scenario: Scenario, hardware: dict[str, HardwareProfile]) -> Controller:
-    channel_state = None
-    if profile.channel.state is not None:
-        # The channel's realizations are seeded like the run unless the profile seeds them itself.
-        channel_state = channel_state_from_config(  # plug-in sources too
-            {**profile.channel.state, "seed": profile.channel.state.get("seed", profile.seed)},
-            list(profile.scenario["devices"]), scenario)
-    est = profile.estimator
-    return Controller(scenario, policy=profile.policy, fixed_length=profile.fixed_length, seed=profile.seed,
-                      channel_state=channel_state, compute_scale={n: h.compute_scale for n, h in hardware.items()},
-                      alpha_prior_trials=est.alpha_prior_trials, draft_time_window=est.draft_time_window,
-                      fit_verify_after=est.fit_verify_after, pin_mode=profile.pin.mode,
-                      pin_draft_len=profile.pin.draft_len, fit_round_overhead=est.fit_round_overhead)
+    """The run's controller (`testbed.run.planning.make_controller`: `multispin plan` builds the same one)."""
+    from testbed.run.planning import make_controller as planning_controller
+
+    return planning_controller(profile, scenario, {n: h.compute_scale for n, h in hardware.items()})
 
 
 # --- resuming -------------------------------------------------------------------------------------------
@@ -201,8 +200,8 @@ def load_resume(run_dir: str | Path) -> tuple[Profile, Resume]:
     except (OSError, json.JSONDecodeError) as exc:
         raise TestbedError(f"{what}: meta.json unreadable: {exc}") from None
     status = meta.get("status")
-    if status == COMPLETE:
-        raise TestbedError(f"{what}: the run is complete; nothing to resume")
+    if status in FINISHED:
+        raise TestbedError(f"{what}: the run is {status}; nothing to resume")
     pid = meta.get("pid")
     if status == "running" and meta.get("host") == platform.node() and isinstance(pid, int) and pid_alive(pid):
         raise TestbedError(f"{what}: the run is still running (pid {pid})")
@@ -265,16 +264,21 @@ def run_session(s: LiveSession, *, progress: bool = True, on_round=None, recorde
         open_run(s, recorder)
         try:
             check_endpoints(s)
+            calibrate_verification(s)
             start_edge(s)
             connect = start_channel(s)
             start_devices(s, connect)
             wait_for_devices(s)
+            record_calibration(s)
             tally = run_rounds(s, progress, on_round)
             status, reason = outcome(s, tally)
             summary = finish(s, status, reason)
+            status, reason = summary["status"], summary["reason"]  # complete may have become degraded
             return summary
         except BaseException as exc:  # Ctrl-C too: the run directory must not say "running" forever
             status, reason = status_of(exc)
+            if isinstance(exc, PluginFailure):
+                note_plugin_failure(s, exc)
             raise
         finally:
             signals.shield()  # a second signal must not cut the cleanup short
@@ -327,6 +331,39 @@ def check_endpoints(s: LiveSession) -> None:
     except SecurityError as exc:
         raise TestbedError(f"security: {exc}") from None
     check_ports_free(binds)
+
+
+def calibrate_verification(s: LiveSession) -> None:
+    """With `estimator.calibrate` (the default): time the target's verification at a few batch shapes before
+    anything else runs (no device competes for the cores yet) and give the controller the fitted t0, t1, so
+    that round 0 is planned on them (`edge_node.calibration`)."""
+    if not s.profile.estimator.calibrate:
+        return
+    from edge_node.calibration import calibrate_verification as timed
+
+    prompts, _ = edge_prompts(s)
+    s.controller.calibrate_verify(timed(s.verifier, len(s.names), s.scenario.max_draft_len, prompts,
+                                        seed=s.profile.seed))
+
+
+def calibration_entry(s: LiveSession) -> dict | None:
+    """meta.json's and summary.json's `calibration`: per device its drafting time as it timed itself (null:
+    it sent none), the verification's t0, t1, the shapes timed and the seconds they took; None without
+    `estimator.calibrate`."""
+    if not s.profile.estimator.calibrate:
+        return None
+    cal = s.controller.calibration
+    v = cal.get("verify") or {}
+    return {"draft_time_s": {n: cal["draft_time_s"].get(n) for n in s.names},
+            "verify_t0_s": v.get("verify_t0_s"), "verify_t1_s": v.get("verify_t1_s"), "fit": v.get("fit"),
+            "shapes": v.get("shapes"), "took_s": v.get("took_s")}
+
+
+def record_calibration(s: LiveSession) -> None:
+    """The calibration in meta.json, once the devices registered (each sent its drafting time then)."""
+    entry = calibration_entry(s)
+    if entry is not None:
+        s.recorder.update_meta(calibration=entry)
 
 
 def start_edge(s: LiveSession) -> None:
@@ -536,15 +573,40 @@ def outcome(s: LiveSession, tally: RoundTally) -> tuple[str, str]:
                         f"(see the device logs and the edge's messages)")
 
 
+def note_plugin_failure(s: LiveSession, exc: PluginFailure) -> None:
+    """A plug-in raised: keep what failed for meta.json and summary.json, its traceback in logs/."""
+    s.failure = exc.as_dict()
+    try:
+        (s.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (s.run_dir / "logs" / "plugin_error.log").write_text(f"{exc}\n\n{exc.traceback}")
+    except OSError as err:
+        log.error("while stopping the run (logs/plugin_error.log): %s", err)
+
+
+def degraded(status: str, reason: str, summary: dict) -> tuple[str, str]:
+    """A complete run some of whose rounds fell back (`fallbacks` of the summary) is `degraded`, the reason
+    saying how many rounds and why."""
+    fb = summary.get("fallbacks") or {}
+    if status != COMPLETE or not fb.get("rounds"):
+        return status, reason
+    kinds = ", ".join(f"{k} {n}" for k, n in (fb.get("by_kind") or {}).items())
+    return DEGRADED, f"{reason}; {fb['rounds']} of {summary.get('rounds')} rounds fell back ({kinds})"
+
+
 def finish(s: LiveSession, status: str, reason: str) -> dict:
     """End the device sessions; write outputs.json and summary.json (from rounds.jsonl: the whole run, a
     resumed one's earlier part too); returns the summary."""
     s.recorder.write_outputs(session_outputs(s, s.server.finish("run complete" if status == COMPLETE
                                                                 else f"run {status}")))
     written = (s.run_dir / "rounds.jsonl").is_file()
-    summary = report.summarize(list(iter_rounds(s.run_dir)) if written else [])
+    records = list(iter_rounds(s.run_dir)) if written else []
+    # Under a fading channel: the run's expected goodput over the channel's draws (testbed.run.planning).
+    summary = add_expected_goodput(report.summarize(records), s.profile, records, vocab_size=s.vocab)
+    status, reason = degraded(status, reason, summary)
     summary.update(status=status, reason=reason, rounds_requested=s.profile.rounds,
                    refused_messages=s.server.refused, refusals=dict(s.server.refusals))
+    if (calibration := calibration_entry(s)) is not None:
+        summary["calibration"] = calibration
     if s.channel is not None and not channel_down(s):
         try:
             summary["channel_stats"] = s.channel.stats()
@@ -607,6 +669,8 @@ def abort_run(s: LiveSession, status: str, reason: str) -> None:
     try:
         summary = report.summarize(list(iter_rounds(s.run_dir)))
         summary["rounds_requested"] = s.profile.rounds
+        if s.failure is not None:
+            summary["plugin_failure"] = s.failure
         if s.server is not None:
             summary["refused_messages"] = s.server.refused
             summary["refusals"] = dict(s.server.refusals)
@@ -618,7 +682,7 @@ def abort_run(s: LiveSession, status: str, reason: str) -> None:
             summary["channel_stats"] = s.channel.stats()
         except Exception as exc:  # best effort while stopping: nothing here may hide why the run stopped
             log.warning("channel emulator stats: %s", exc)
-    s.recorder.end_run(status, reason, summary)
+    s.recorder.end_run(status, reason, summary, **({"plugin_failure": s.failure} if s.failure else {}))
 
 
 def close_run(s: LiveSession, status: str, reason: str, finished: bool) -> None:
@@ -642,5 +706,5 @@ def close_run(s: LiveSession, status: str, reason: str, finished: bool) -> None:
             log.error("%s", exc)
         s.recorder.close()
         shutil.rmtree(s.tmp, ignore_errors=True)
-        if status != COMPLETE:
+        if status != COMPLETE:  # degraded too: rounds fell back
             log.warning("run %s: %s (%s)", status, reason, s.run_dir)

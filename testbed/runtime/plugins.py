@@ -8,8 +8,15 @@ A policy is named in a profile (``policy: NAME``) or on the command line (``--po
 
 A channel source (``channel.state.source``) likewise: a built-in name (`testbed.channel.state.SOURCES`),
 ``module:Class``, or an entry point of ``multispin.channels``. The attribute may be a class (constructed
-without arguments for a policy; with ``(cfg, devices)`` for a channel source), a factory, or (a policy)
-an object with ``decide``. Every failure is a `PluginError` that says which name, what was tried and why.
+without arguments for a policy, or with its parameters as keywords; with ``(cfg, devices)`` for a channel
+source), a factory, or (a policy) an object with ``decide``. Every failure is a `PluginError` that says which
+name, what was tried and why.
+
+Parameters: a plug-in declares them as a class attribute ``Params``, a dict of defaults or a pydantic model
+(`declared_params`); the profile gives them (``policy_params: {NAME: {...}}``, ``channel.state.params``),
+`resolve_params` checks them (an unknown name is an error naming the plug-in and the parameter) and fills in
+the defaults. A plug-in that raises while a run plans is a `PluginFailure` (the run stops with exit status
+3, unless the profile says ``on_plugin_error: fallback``).
 Interfaces: `testbed.core.policy.Policy`, `testbed.channel.source.ChannelSource`; docs/extending.md.
 """
 
@@ -29,6 +36,81 @@ CHANNEL_GROUP = "multispin.channels"
 
 class PluginError(TestbedError, ValueError):
     """A plug-in that cannot be used: not importable, not found, or not satisfying its interface."""
+
+
+# The exit status of `multispin run` (and rerun, edge) when a plug-in raised during the run (docs/commands.md).
+PLUGIN_FAILURE_EXIT = 3
+
+
+class PluginFailure(TestbedError):
+    """A plug-in raised (or answered unusably) while a run planned a round, and the profile says
+    ``on_plugin_error: stop`` (the default): the run stops, `multispin run` exits with `PLUGIN_FAILURE_EXIT`.
+    `kind`: "policy" or "channel source"; `name`: the plug-in's name; `round`; `error`: the exception's
+    type and message; `traceback`: the formatted traceback (logged, and written to the run's logs/)."""
+
+    exit_status = PLUGIN_FAILURE_EXIT
+
+    def __init__(self, kind: str, name: str, round_index: int, error: str, traceback: str = ""):
+        self.kind, self.name, self.round, self.error, self.traceback = kind, name, int(round_index), error, traceback
+        super().__init__(f"{kind} {name!r} failed in round {round_index}: {error} (on_plugin_error: stop; "
+                         f"`on_plugin_error: fallback` in the profile goes on without it)")
+
+    def as_dict(self) -> dict:
+        """The failure as meta.json and summary.json keep it (`plugin_failure`)."""
+        return {"kind": self.kind, "name": self.name, "round": self.round, "error": self.error}
+
+
+# -- parameters ---------------------------------------------------------------------------------------
+
+def declared_params(target: Any) -> Any:
+    """What a plug-in (its class, factory or object) declares as ``Params``: a dict of defaults, a pydantic
+    model class, or None (it takes no parameters)."""
+    params = getattr(target, "Params", None)
+    if params is None:
+        return None
+    if isinstance(params, dict) or _is_model(params):
+        return params
+    raise PluginError(f"{getattr(target, '__name__', type(target).__name__)}.Params is {type(params).__name__}: "
+                      "declare a plug-in's parameters as a dict of defaults or a pydantic model")
+
+
+def _is_model(obj: Any) -> bool:
+    from pydantic import BaseModel
+
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
+
+
+def resolve_params(what: str, spec: str, target: Any, given: dict | None) -> dict | None:
+    """The parameters a plug-in gets: its declared defaults updated with `given` (the profile's), checked.
+    None when it declares none and none are given. A PluginError names the plug-in and the parameter."""
+    declared = declared_params(target)
+    if given is not None and not isinstance(given, dict):
+        raise PluginError(f"{what} {spec!r}: parameters must be a mapping name -> value, not "
+                          f"{type(given).__name__}")
+    given = dict(given or {})
+    if declared is None:
+        if given:
+            raise PluginError(f"{what} {spec!r} takes no parameters (it declares no Params); given: "
+                              f"{', '.join(sorted(map(str, given)))}")
+        return None
+    names = list(declared) if isinstance(declared, dict) else list(declared.model_fields)
+    unknown = [k for k in given if k not in names]
+    if unknown:
+        from testbed.runtime.errors import did_you_mean
+
+        raise PluginError(f"{what} {spec!r}: unknown parameter {unknown[0]!r}{did_you_mean(unknown[0], names)} "
+                          f"(its parameters: {', '.join(names) or 'none'})")
+    if isinstance(declared, dict):
+        return {**declared, **given}
+    from pydantic import ValidationError
+
+    try:
+        return declared.model_validate(given).model_dump()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or "?"
+        raise PluginError(f"{what} {spec!r}: parameter {where}: {err.get('msg')} (given: "
+                          f"{err.get('input')!r})") from None
 
 
 # -- importing ----------------------------------------------------------------------------------------
@@ -106,6 +188,7 @@ class NamedPolicy:
 
     name: str
     policy: Any
+    params: dict | None = None  # the parameters it was built with (declared defaults + the profile's)
 
     @property
     def description(self) -> str:
@@ -116,25 +199,33 @@ class NamedPolicy:
         return self.policy.decide(scenario, context)
 
 
-def load_policy(spec: str):
+def load_policy(spec: str, params: dict | None = None):
     """A policy object for a name: `BuiltinPolicy` for a built-in name, else the plug-in (a `NamedPolicy`
-    under `spec`). A PluginError says what failed: the import, the lookup or the interface."""
+    under `spec`). A plug-in class or factory that declares ``Params`` is called with its parameters as
+    keywords (the defaults, updated with `params`: the profile's ``policy_params[spec]``). A PluginError says
+    what failed: the import, the lookup, a parameter or the interface."""
     from testbed.core.optimizer import POLICIES, BuiltinPolicy
 
     spec = str(spec).strip()
     if spec in POLICIES:
+        if params:
+            raise PluginError(f"policy {spec!r} is built in and takes no parameters (policy_params.{spec})")
         return BuiltinPolicy(spec)
     target = _target(spec, "policy", POLICY_GROUP, POLICIES)
     obj = target
+    resolved = resolve_params("policy", spec, target, params)
     if not callable(getattr(obj, "decide", None)) or isinstance(obj, type):
         if not callable(obj):
             raise PluginError(f"policy {spec!r}: {type(obj).__name__} object is neither a policy (no decide method) "
                               "nor a class or factory that makes one")
         try:
-            obj = obj()
+            obj = obj(**(resolved or {}))
         except Exception as exc:
+            how = "with its parameters" if resolved is not None else "without arguments (or declare Params)"
             raise PluginError(f"policy {spec!r}: {getattr(target, '__name__', target)}() failed: "
-                              f"{type(exc).__name__}: {exc} (a policy class is constructed without arguments)") from exc
+                              f"{type(exc).__name__}: {exc} (a policy class is constructed {how})") from exc
+    elif resolved:
+        raise PluginError(f"policy {spec!r}: an object, not a class or factory: it cannot take parameters")
     decide = getattr(obj, "decide", None)
     if not callable(decide):
         raise PluginError(f"policy {spec!r}: {type(obj).__name__} does not satisfy the Policy interface: it has no "
@@ -142,7 +233,7 @@ def load_policy(spec: str):
     if not _takes(decide, 2):
         raise PluginError(f"policy {spec!r}: {type(obj).__name__}.decide{inspect.signature(decide)} does not take "
                           "(scenario, context), the Policy interface")
-    return NamedPolicy(spec, obj)
+    return NamedPolicy(spec, obj, resolved)
 
 
 def check_policy(spec: str, unknown: str = "unknown policy") -> None:
@@ -189,6 +280,19 @@ def load_channel_source(spec: str):
     return target
 
 
+def channel_source_params(cfg: dict | None) -> dict | None:
+    """A plug-in source's parameters: ``channel.state.params`` checked against the source's ``Params``, the
+    defaults filled in (None for a built-in source or one without Params and no params). A PluginError names
+    the source and the parameter."""
+    from testbed.channel.state import SOURCES
+
+    cfg = cfg or {}
+    source = cfg.get("source", "model")
+    if not isinstance(source, str) or source in SOURCES:
+        return None
+    return resolve_params("channel source", source, load_channel_source(source), cfg.get("params"))
+
+
 def channel_state_from_config(cfg: dict, devices: list[dict], scenario=None):
     """`ChannelState.from_config` with plug-in sources allowed. With `scenario`, the state turns SNRs into
     gains with the scenario's noise (`noise_psd_dbm_hz`, `noise_figure_db`) and each device's maximum power
@@ -196,6 +300,9 @@ def channel_state_from_config(cfg: dict, devices: list[dict], scenario=None):
     SNR a trace or a live reading gave."""
     from testbed.channel.state import ChannelState
 
+    params = channel_source_params(cfg)
+    if params is not None:  # the source reads cfg["params"]: its declared defaults, updated with the profile's
+        cfg = {**cfg, "params": params}
     if scenario is not None:
         cfg = {"noise_psd_dbm_hz": scenario.noise_psd_dbm_hz, "noise_figure_db": scenario.noise_figure_db, **cfg}
         if "snr_reference" not in cfg:
@@ -217,7 +324,23 @@ class ChannelGains:
         devices = [d.model_dump(exclude_none=True) for d in scenario.devices]
         state = channel_state_from_config({**self.cfg, "seed": int(self.cfg.get("seed", self.seed)) + drop}, devices,
                                           scenario)
-        return state.gains_db
+        return _NamedGains(state)
+
+
+@dataclass
+class _NamedGains:
+    """A channel state's `gains_db` whose source's failure (`ChannelSourceError`: it names the source and
+    the round) is a PluginError: one line, not a traceback, in `simulate --monte-carlo --channel`."""
+
+    state: Any
+
+    def __call__(self, round_index: int, t_s: float):
+        from testbed.channel.state import ChannelSourceError
+
+        try:
+            return self.state.gains_db(round_index, t_s)
+        except ChannelSourceError as exc:
+            raise PluginError(str(exc)) from exc
 
 
 # -- listing ------------------------------------------------------------------------------------------

@@ -214,12 +214,20 @@ FEATURES = (SCHEDULE_IN_VERDICT,)
 MAX_FEATURES = 16
 
 
-def register(name: str, vocab_size: int, hardware: dict[str, Any], features: tuple[str, ...] = ()) -> list:
+# `register.draft_time_s`: the device's drafting time per token, timed at start (optional; s/token).
+DRAFT_TIME_RANGE_S = (1e-7, 60.0)
+
+
+def register(name: str, vocab_size: int, hardware: dict[str, Any], features: tuple[str, ...] = (),
+             draft_time_s: float | None = None) -> list:
     """Device -> edge, the first message: the device name (= its routing id), its vocabulary size V, its hardware
-    profile and the protocol `features` it understands."""
+    profile, the protocol `features` it understands and, optionally, `draft_time_s`: its drafting time per
+    token as it timed itself at start (its emulated slowdown included), which the edge plans round 0 with."""
     header = {"type": P.REGISTER, "name": name, "vocab_size": int(vocab_size), "hardware": hardware}
     if features:
         header["features"] = list(features)
+    if draft_time_s is not None:
+        header["draft_time_s"] = float(draft_time_s)
     return P.encode(header)
 
 
@@ -231,11 +239,13 @@ class Registration:
     vocab_size: int
     hardware: dict
     features: frozenset[str] = frozenset()  # the known `FEATURES` the device listed
+    draft_time_s: float | None = None  # the device's own timing of its drafting, s/token (None: not sent)
 
 
 def parse_register(header: dict) -> Registration:
     """Validate a `register` header: name of 1-64 letters, digits, '-', '_', '.'; vocab_size > 0; hardware an object;
-    features absent or a list of at most MAX_FEATURES texts (names this edge does not know are dropped)."""
+    features absent or a list of at most MAX_FEATURES texts (names this edge does not know are dropped);
+    draft_time_s absent, null or a number in DRAFT_TIME_RANGE_S (s/token)."""
     name = _field(header, "name", str, "a non-empty device name")
     if (not name or len(name) > 64 or not name.isascii()
             or not name.replace("-", "").replace("_", "").replace(".", "").isalnum()):
@@ -249,7 +259,11 @@ def parse_register(header: dict) -> Registration:
           or not all(isinstance(f, str) for f in features)):
         raise ProtocolError(f"register.features: {P.show(features)} is not allowed; must be a list of at most "
                             f"{MAX_FEATURES} feature names")
-    return Registration(name, vocab, _hardware(header.get("hardware")), frozenset(features) & frozenset(FEATURES))
+    lo, hi = DRAFT_TIME_RANGE_S
+    draft_time = _field(header, "draft_time_s", float, f"a number of seconds per token in [{lo:g}, {hi:g}]",
+                        optional=True, lo=lo, hi=hi)
+    return Registration(name, vocab, _hardware(header.get("hardware")), frozenset(features) & frozenset(FEATURES),
+                        draft_time)
 
 
 # Known hardware fields and their types; other scalar fields pass (a device may describe itself more).

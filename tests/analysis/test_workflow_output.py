@@ -56,7 +56,7 @@ def test_run_plots_have_integer_rounds_titles_and_legends(drawn):
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert any(t.startswith("uplink air time, ") and "(ul_air_s[" in t for t in titles), titles
     assert "uplink phase (drafting + air)\n(uplink_phase_s)" in titles
-    assert all(ax.get_xlabel().startswith("predicted (") for ax in fig.axes if ax.get_title())
+    assert all(ax.get_xlabel().startswith("predicted [") for ax in fig.axes if ax.get_title())
 
 
 def test_goodput_plot_tells_predicted_from_measured(drawn):
@@ -66,7 +66,7 @@ def test_goodput_plot_tells_predicted_from_measured(drawn):
     pred, meas = lines["predicted"], lines["measured"]
     assert (pred.get_linestyle(), pred.get_color()) != (meas.get_linestyle(), meas.get_color())
     assert pred.get_linestyle() != meas.get_linestyle()  # in grey print too
-    assert ax.get_ylabel() == "goodput (tokens/s)"
+    assert ax.get_ylabel() == "goodput [tokens/s]"
 
 
 def test_progress_bar_names_the_round_goodput_with_units():

@@ -66,7 +66,11 @@ def test_a_bad_state_in_the_file_is_named_under_the_file(tmp_path):
     assert "  unknown key 'sped' in channel.state.mobility; did you mean speed_mps?" in lines
 
 
-def test_the_shipped_states_load_and_a_sweep_of_sources_is_checked_per_point():
+def test_the_shipped_states_load_and_a_sweep_of_sources_is_checked_per_point(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTISPIN_CACHE", str(tmp_path))  # the named qwen2.5-coder pair as fetched: stub files
+    for rel in ("target/config.json", "draft.onnx", "tokenizer.json"):
+        (tmp_path / "models" / "qwen2.5-coder" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "models" / "qwen2.5-coder" / rel).touch()
     for name in ("emulation", "lan", "trace-replay", "qwen2.5-coder"):
         load_profile(name)
     with pytest.raises(ProfileError, match="override channel.state.source='trace': channel.state: source trace needs"):

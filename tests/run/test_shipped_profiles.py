@@ -12,7 +12,11 @@ PROFILES = PROFILES_DIR
 
 
 @pytest.mark.parametrize("path", sorted(PROFILES.glob("*.yaml")), ids=lambda p: p.name)
-def test_run_profiles_load(path):
+def test_run_profiles_load(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTISPIN_CACHE", str(tmp_path))  # a named pair (qwen2.5-coder) as fetched: stub files
+    for rel in ("target/config.json", "draft.onnx", "tokenizer.json"):
+        (tmp_path / "models" / "qwen2.5-coder" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "models" / "qwen2.5-coder" / rel).touch()
     profile = load_profile(path)
     names = profile.device_names()
     assert names and len(set(names)) == len(names)

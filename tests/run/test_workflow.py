@@ -481,7 +481,7 @@ def test_simulate_refuses_a_non_empty_out_and_writes_meta(tmp_path, capsys):
     assert (out / "monte_carlo.png").is_file()
     meta = json.loads((out / "meta.json").read_text())
     assert meta["seed"] == 3 and meta["argv"] and "git_revision" in meta and meta["version"]
-    assert meta["sweep"] == {"key": "devices", "values": [2, 3]} and meta["created_utc"]
+    assert meta["sweep"] == {"key": "devices", "values": [2, 3], "given": "devices=2,3"} and meta["created_utc"]
     capsys.readouterr()
     assert main(args) == 2
     err = capsys.readouterr().err

@@ -33,6 +33,7 @@ from testbed.runtime.plugins import (
     POLICY_GROUP,
     NamedPolicy,
     PluginError,
+    PluginFailure,
     channel_state_from_config,
     installed,
     load_channel_source,
@@ -198,13 +199,25 @@ class _Recorder:
         return Decision(modes=["DL"] * scenario.num_devices, draft_lens=[2] * scenario.num_devices)
 
 
-def test_the_controller_falls_back_on_a_bad_decision_and_records_why():
+def test_a_bad_decision_stops_the_controller_naming_the_policy_and_the_round():
     sc = Scenario.from_dict(SC)
-    ctl = Controller(sc, policy=_Overlong())
+    ctl = Controller(sc, policy=_Overlong())  # on_plugin_error: stop, the default
+    with pytest.raises(PluginFailure, match=r"policy 'overlong' failed in round 5: draft_lens\[0\] \(d0\) = 9 is not "
+                                            r"allowed") as info:
+        ctl.plan_round(5, [d.name for d in sc.devices])
+    assert info.value.exit_status == 3 and info.value.as_dict()["round"] == 5
+    assert info.value.as_dict() == {"kind": "policy", "name": "overlong", "round": 5,
+                                    "error": info.value.error}
+
+
+def test_the_controller_falls_back_on_a_bad_decision_when_told_and_records_why():
+    sc = Scenario.from_dict(SC)
+    ctl = Controller(sc, policy=_Overlong(), on_plugin_error="fallback")
     rp = ctl.plan_round(0, [d.name for d in sc.devices])
     assert rp.plan["policy"] == "all-dl" and {d["mode"] for d in rp.plan["devices"]} == {"DL"}
     fb = rp.plan["fallback"]
     assert fb["policy"] == "all-dl" and fb["instead_of"] == "overlong" and fb["error"] == "PolicyError"
+    assert fb["kind"] == "plugin_error"
     assert "draft_lens[0] (d0) = 9 is not allowed" in fb["reason"]
     rec = round_record(rp, policy=ctl.policy, outcomes={}, verify_s=None, round_s=0.1, t_start_s=0.0)
     assert rec["fallback"] == fb and rec["policy"] == "overlong"
@@ -213,7 +226,7 @@ def test_the_controller_falls_back_on_a_bad_decision_and_records_why():
 def test_the_controller_gives_the_policy_its_round_seed_and_the_last_closed_round():
     sc = Scenario.from_dict(SC)
     pol = _Recorder()
-    ctl = Controller(sc, policy=pol, seed=10, fixed_length=6)
+    ctl = Controller(sc, policy=pol, seed=10, fixed_length=6, on_plugin_error="fallback")
     names = [d.name for d in sc.devices]
     ctl.plan_round(0, names)
     record = {"round": 0, "measured": {"round_s": 0.2, "goodput_tps": 25.0}, "predicted": {"goodput_tps": 30.0},
@@ -228,7 +241,8 @@ def test_the_controller_gives_the_policy_its_round_seed_and_the_last_closed_roun
     assert second.previous.devices["d0"] == DeviceResult("DL", 2, 1, 2)
     assert second.previous.devices["d1"] == DeviceResult("DL", 2, None, None)
     assert second.previous.measured_goodput_tps == 25.0
-    # An exception inside the plug-in costs that round only: the fallback plans it, the reason names it.
+    # With on_plugin_error: fallback an exception inside the plug-in costs that round only: the fallback plans
+    # it, the reason names it.
     rp = ctl.plan_round(3, names)
     assert rp.plan["fallback"]["reason"] == "policy recorder: decide() raised RuntimeError: a bug in round 3"
     assert "fallback" not in ctl.plan_round(4, names).plan
@@ -470,6 +484,7 @@ def test_live_compare_with_the_example_plug_ins_and_a_bad_policy(micro_pair, tmp
                                     "        n = scenario.num_devices\n"
                                     "        return Decision(modes=['UL'] * n, draft_lens=[99] * n)\n")
     data = profile_data(micro_pair, rounds=6, policy=THRESHOLD)
+    data["on_plugin_error"] = "fallback"  # the bad policy's rounds go on, on all-dl: that run is degraded
     data["channel"] = {"mode": "virtual", "state": {**_ge_cfg(), "gilbert_elliott": {
         "p_good_to_bad": 0.5, "p_bad_to_good": 0.5, "bad_loss_db": 30.0}}}
     prof = tmp_path / "p.yaml"
@@ -499,10 +514,14 @@ def test_live_compare_with_the_example_plug_ins_and_a_bad_policy(micro_pair, tmp
     for rec in bad:  # refused every round: planned by the safe policy, the reason in the record
         assert rec["policy"] == "badpol:Overlong" and {d["mode"] for d in rec["devices"].values()} == {"DL"}
         assert rec["fallback"]["policy"] == "all-dl" and "draft_lens[0]" in rec["fallback"]["reason"]
+        assert rec["fallback"]["kind"] == "plugin_error"
     summary = json.loads((parent / "compare.json").read_text())
     assert [p["policy"] for p in summary["per_policy"]] == [THRESHOLD, "badpol:Overlong"]
-    assert all(json.loads((parent / n / "meta.json").read_text())["status"] == "complete"
-               for n in (THRESHOLD.replace(":", "-"), "badpol-Overlong"))
+    assert [p["degraded"] for p in summary["per_policy"]] == [0, 1]
+    assert json.loads((parent / THRESHOLD.replace(":", "-") / "meta.json").read_text())["status"] == "complete"
+    bad_summary = json.loads((parent / "badpol-Overlong" / "summary.json").read_text())
+    assert json.loads((parent / "badpol-Overlong" / "meta.json").read_text())["status"] == "degraded"
+    assert bad_summary["status"] == "degraded" and bad_summary["fallbacks"]["by_kind"] == {"plugin_error": 6}
 
 
 def test_the_runtimes_satisfy_the_drafter_and_verifier_interfaces(micro_pair):

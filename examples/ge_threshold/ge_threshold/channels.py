@@ -1,9 +1,10 @@
 """A two-state Gilbert-Elliott channel: each device's link is good or bad, a Markov chain over rounds.
 
-Gain = minus the path loss at the device's distance, minus ``bad_loss_db`` in the bad state. Options under
-``channel.state.gilbert_elliott``: ``p_good_to_bad`` (0.1) and ``p_bad_to_good`` (0.3), the per-round
-transition probabilities, ``bad_loss_db`` (20) and ``path_loss_law`` (3gpp_macro). Seeded by
-(``channel.state.seed``, device name): the same rounds whatever order they are asked in.
+Gain = minus the path loss at the device's distance, minus ``bad_loss_db`` in the bad state. Parameters
+(``Params``; a profile sets them under ``channel.state.params``, checked at load): ``p_good_to_bad`` (0.1)
+and ``p_bad_to_good`` (0.3), the per-round transition probabilities, ``bad_loss_db`` (20) and
+``path_loss_law`` (3gpp_macro); ``channel.state.gilbert_elliott``, the earlier form, still sets them too.
+Seeded by (``channel.state.seed``, device name): the same rounds whatever order they are asked in.
 """
 
 import zlib
@@ -19,8 +20,10 @@ OPTIONS = {"p_good_to_bad": 0.1, "p_bad_to_good": 0.3, "bad_loss_db": 20.0, "pat
 class GilbertElliott:
     """Two-state Markov (good/bad) extra loss on top of the path loss, per device and round."""
 
+    Params = OPTIONS  # the testbed checks channel.state.params against these and passes cfg["params"]
+
     def __init__(self, cfg: dict, devices: list[dict]):
-        opts = {**OPTIONS, **(cfg.get("gilbert_elliott") or {})}
+        opts = {**OPTIONS, **(cfg.get("params") or {}), **(cfg.get("gilbert_elliott") or {})}
         unknown = sorted(set(opts) - set(OPTIONS))
         if unknown:
             raise ValueError(f"gilbert_elliott: unknown options {unknown}; allowed: {sorted(OPTIONS)}")

@@ -8,6 +8,10 @@ class ChannelThreshold:
     """UL mode for a gain at or above threshold_db, else DL; L = last accepted + 1 (start: draft_len)."""
 
     name = "channel-threshold"
+    # Its parameters, with their defaults: a profile sets them under policy_params (docs/extending.md), e.g.
+    #   policy_params: {channel-threshold: {threshold_db: -95}}
+    # and the class is constructed with them as keywords; a name not listed here is refused at profile load.
+    Params = {"threshold_db": -100.0, "draft_len": 4}
 
     def __init__(self, threshold_db: float = -100.0, draft_len: int = 4):
         self.threshold_db, self.draft_len = float(threshold_db), int(draft_len)

@@ -332,6 +332,8 @@ class DeviceNode:
                 if self._session_ended is not None:
                     raise _SessionEnded(self._session_ended)
                 continue
+            if beat is not None and time.monotonic() - last_top > asked + beat.period_s:
+                away = True  # the wait itself overran: this process was stopped while it waited
             silent = time.monotonic() - self.peer.last_heard
             if beat is None:
                 if silent >= self.idle_timeout_s:

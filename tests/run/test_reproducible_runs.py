@@ -271,10 +271,16 @@ def test_a_fixed_dl_rate_far_above_the_band_plans_without_overflow():
 
 # -- live: a rerun at temperature 0 gives the same tokens --------------------------------------------------------
 
+NEW_TOKENS = 24
+
+
 @pytest.mark.live
 def test_rerun_at_temperature_zero_gives_the_same_tokens(micro_pair, tmp_path):
     prof = tmp_path / "t0.yaml"
-    prof.write_text(yaml.safe_dump(profile_data(micro_pair, rounds=6, sampling={"temperature": 0})))
+    # Each run plans its draft lengths on its own measured timings, so the rounds may end at other token
+    # counts: both runs go to max_new_tokens, and the sequences must agree token for token up to it.
+    prof.write_text(yaml.safe_dump(profile_data(micro_pair, rounds=200, max_new_tokens=NEW_TOKENS,
+                                                sampling={"temperature": 0})))
     runs = tmp_path / "runs"
 
     def cli(*argv):
@@ -289,7 +295,9 @@ def test_rerun_at_temperature_zero_gives_the_same_tokens(micro_pair, tmp_path):
     second = next(p for p in runs.iterdir() if p != first)
     outputs = [json.loads((d / "outputs.json").read_text()) for d in (first, second)]
     ids = [{name: o["output_ids"] for name, o in out.items()} for out in outputs]
-    assert ids[0] == ids[1] and all(len(v) > 0 for v in ids[0].values())
+    assert all(len(v) >= NEW_TOKENS for run in ids for v in run.values())
+    head = [{n: v[:NEW_TOKENS] for n, v in run.items()} for run in ids]
+    assert head[0] == head[1]
     meta = json.loads((second / "meta.json").read_text())
     assert meta["rerun_of"] == str(first.resolve()) and meta["tags"] == ["t0"]
     assert meta["profile"] == json.loads((first / "meta.json").read_text())["profile"]

@@ -714,8 +714,9 @@ SCEN = {"bits_per_prob": 16, "max_draft_len": 6,
                     {"name": "b", "distance_m": 300, "draft_time_s": 0.02, "acceptance": 0.6}]}
 
 
-def synth_records(n: int, policy: str = "proposed", slow: float = 1.5) -> list[dict]:
-    """n round records of two devices; the measured round is `slow` times the predicted one."""
+def synth_records(n: int, policy: str = "proposed", slow: float = 1.5, slow_verify: float = 1.0) -> list[dict]:
+    """n round records of two devices; the measured round is `slow` times the predicted one, the measured
+    verification `slow_verify` times the predicted one."""
     c = Controller(load_scenario({**SCEN, "vocab_size": 1000}))
     recs = []
     for r in range(n):
@@ -728,6 +729,7 @@ def synth_records(n: int, policy: str = "proposed", slow: float = 1.5) -> list[d
                 t_verdict=0.0, timings={"draft_s": d.draft_s * 1.1},
                 ul_channel={"mode": "real", "held_s": d.tx_s * 1.02, "bytes": 10},
                 dl_channel={"mode": "real", "held_s": d.downlink_s * 0.98, "bytes": 10})
-        recs.append(round_record(rp, policy=policy, outcomes=outcomes, verify_s=rp.plan["phases_s"]["verify"],
+        recs.append(round_record(rp, policy=policy, outcomes=outcomes,
+                                 verify_s=rp.plan["phases_s"]["verify"] * slow_verify,
                                  round_s=rp.plan["round_time_s"] * slow, t_start_s=float(r)))
     return recs

@@ -596,8 +596,12 @@ def degraded(status: str, reason: str, summary: dict) -> tuple[str, str]:
 def finish(s: LiveSession, status: str, reason: str) -> dict:
     """End the device sessions; write outputs.json and summary.json (from rounds.jsonl: the whole run, a
     resumed one's earlier part too); returns the summary."""
-    s.recorder.write_outputs(session_outputs(s, s.server.finish("run complete" if status == COMPLETE
-                                                                else f"run {status}")))
+    outputs = session_outputs(s, s.server.finish("run complete" if status == COMPLETE else f"run {status}"))
+    if status != COMPLETE and s.outputs:
+        # A run that did not complete keeps the tokens of its recorded rounds: a resume reruns the round in
+        # flight, so what that round committed (verdicts out, record not yet written) is not the run's.
+        outputs.update({n: {**e, "text": s.tokenizer.decode(e["output_ids"])} for n, e in s.outputs.items()})
+    s.recorder.write_outputs(outputs)
     written = (s.run_dir / "rounds.jsonl").is_file()
     records = list(iter_rounds(s.run_dir)) if written else []
     # Under a fading channel: the run's expected goodput over the channel's draws (testbed.run.planning).

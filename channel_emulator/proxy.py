@@ -56,7 +56,7 @@ Control (REP at ``control_bind``), JSON requests, JSON replies with ``"ok"``:
      "lead_s": a, "lead_per_byte_s": b, "mode": "real"|"virtual"}                  (optional)
 ``lead_s + lead_per_byte_s * bytes`` is released before the deadline: the calibrated transport time of the
 hops outside the emulator (measure it with ``multispin channel validate``); 0 by default.
-    {"type": "stats"}   {"type": "stop"}
+    {"type": "stats"}   {"type": "stop"}   {"type": "reset"}  (statistics, counters, links as at start)
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ import zmq
 from channel_emulator import DEFAULT_SPIN_S
 from channel_emulator.checks import DL_ACCESS, finite_number
 from testbed.core.vocabulary import DIRECTIONS
+from testbed.runtime.handshake_watch import SERVER_EVENTS, ServerHandshakeWatch
 from testbed.runtime.security import (
     CHANNEL_CLIENT,
     EDGE_CLIENT,
@@ -299,6 +300,7 @@ class ChannelProxy:
         if not (0 <= spin_s < 1):
             raise ValueError(f"spin_s={spin_s!r} is invalid; allowed: 0 <= spin_s < 1")
         self.mode, self.spin_s, self.marker_ttl_s = mode, float(spin_s), float(marker_ttl_s)
+        self.start_mode = mode  # what `reset` goes back to
         self.edge_connect = edge_connect
         self.ctx = context or zmq.Context()
         self._own_ctx = context is None
@@ -333,7 +335,10 @@ class ChannelProxy:
         self.frontend.bind(frontend_bind)
         last = self.frontend.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.frontend_port = int(last.rsplit(":", 1)[1]) if last.startswith("tcp://") else None
-        self.monitor = self.frontend.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # Connections (for the cap) and, with keys, refused CURVE handshakes: logged with the peer's address.
+        self.handshakes = ServerHandshakeWatch(None, log, "channel emulator") if server_keys is not None else None
+        self.monitor = self.frontend.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                                                        | (SERVER_EVENTS if self.handshakes is not None else 0))
         self.conns: dict[int, float] = {}  # fd of a frontend connection -> when it was accepted
         self.control = self.ctx.socket(zmq.REP)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -714,7 +719,20 @@ class ChannelProxy:
         if kind == "stop":
             self.running = False
             return {"ok": True}
-        return {"ok": False, "error": f"type={str(kind)[:40]!r} is invalid; allowed: configure, stats, stop"}
+        if kind == "reset":
+            self._reset()
+            return {"ok": True}
+        return {"ok": False, "error": f"type={str(kind)[:40]!r} is invalid; allowed: configure, stats, reset, stop"}
+
+    def _reset(self) -> None:
+        """A warm pool's next run (`testbed.run.warm`): links, configuration, statistics and counters as a freshly
+        started emulator has them; the devices' connections stay."""
+        self.mode = self.start_mode
+        self.config = {"round": None, "dl_access": "fdma_equal_split", "base_latency_s": 0.0, "links": {},
+                       "lead_s": 0.0, "lead_per_byte_s": 0.0}
+        self.free_at, self.markers, self.stats = {}, {}, {}
+        self.link_release.clear()
+        self.counters = dict.fromkeys(self.counters, 0)
 
     # -- loop ----------------------------------------------------------------------------------------
     def _timeout_ms(self) -> int:
@@ -747,6 +765,8 @@ class ChannelProxy:
                         self._deliver_due()
                 self._check_files()
                 self._peer_log.flush(time.monotonic())  # a flood that stopped is still reported
+                if self.handshakes is not None:
+                    self.handshakes.flush(time.monotonic())
                 if time.monotonic() - self._last_reap > min(10.0, self.unregistered_idle_s / 2):
                     self._last_reap = time.monotonic()
                     self._reap(self._last_reap)
@@ -764,6 +784,8 @@ class ChannelProxy:
             event, fd = struct.unpack("=Hi", frames[0].bytes[:6])
         except (struct.error, IndexError):
             return
+        if self.handshakes is not None:  # fd: a descriptor, or a failed handshake's error code
+            self.handshakes.on_event(event, fd, frames[1].bytes if len(frames) > 1 else b"")
         if event == zmq.EVENT_ACCEPTED:
             self.conns[fd] = time.monotonic()
         elif event == zmq.EVENT_DISCONNECTED:
@@ -941,6 +963,10 @@ class ChannelControl:
 
     def stop(self) -> dict:
         return self.request({"type": "stop"})
+
+    def reset(self) -> dict:
+        """Statistics, counters and links as a fresh emulator's (the next run of a warm pool)."""
+        return self.request({"type": "reset"})
 
     def close(self) -> None:
         self.sock.close(linger=0)

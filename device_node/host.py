@@ -85,8 +85,9 @@ class DeviceHost:
     """The devices of one process; `run` serves them all until each has ended and returns their statuses."""
 
     def __init__(self, connect: str, draft: str, devices: list[HostedDevice], *, register_timeout_s: float = 120.0,
-                 reconnect: bool = False, tx_marker: bool = True):
+                 reconnect: bool = False, tx_marker: bool = True, serve_runs: bool = False):
         self.connect, self.draft, self.devices = connect, draft, devices
+        self.serve_runs = serve_runs  # every device waits for the next run after a bye (`device_node.next_run`)
         self.register_timeout_s, self.reconnect, self.tx_marker = register_timeout_s, reconnect, tx_marker
         self.gate = Gate()
         self.codes: dict[str, int] = {}
@@ -123,7 +124,7 @@ class DeviceHost:
             self.codes[dev.name], self.reasons[dev.name] = ExitCode.USAGE, f"cannot start: {exc}"
             return None
         node = DeviceNode(self.connect, dev.name, drafter, hardware, register_timeout_s=self.register_timeout_s,
-                          tx_marker=self.tx_marker, keys=keys, reconnect=self.reconnect,
+                          tx_marker=self.tx_marker, keys=keys, reconnect=self.reconnect, serve_runs=self.serve_runs,
                           link_probe=probe_thread.start() if probe_thread else None, gate=self.gate)
         return node, probe_thread
 
@@ -180,14 +181,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds each device keeps registering before giving up")
     parser.add_argument("--reconnect", action="store_true", help="devices reconnect when the edge goes silent")
     parser.add_argument("--no-tx-marker", action="store_true", help="do not send tx_start markers")
+    parser.add_argument("--serve-runs", action="store_true",
+                        help="after a run, wait for SIGUSR1 and register again for the next (warm trials)")
     args = parser.parse_args(argv)
+    if args.serve_runs:
+        from device_node import next_run
+
+        next_run.install()  # before the parent may signal the next run
     try:
         devices = parse_devices(args.devices)
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     host = DeviceHost(args.connect, args.draft, devices, register_timeout_s=args.register_timeout,
-                      reconnect=args.reconnect, tx_marker=not args.no_tx_marker)
+                      reconnect=args.reconnect, tx_marker=not args.no_tx_marker, serve_runs=args.serve_runs)
     codes = host.run()
     log.log(logging.INFO if exit_status(codes) == 0 else logging.ERROR, "devices ended: %s",
             describe(codes, host.reasons))

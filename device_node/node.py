@@ -22,7 +22,11 @@ Robustness (a LAN is shared, edges restart):
   holds, waiting up to one period for it, before it judges the edge: the edge's messages may be waiting;
 - an edge that ended this device's session (it was silent past the window) refuses its messages as "not
   registered": the device registers again under its name and goes on from the next round;
-- with client keys (``--keys``, `testbed.runtime.security`) the socket is a CURVE client of the edge (or emulator).
+- with client keys (``--keys``, `testbed.runtime.security`) the socket is a CURVE client of the edge (or emulator);
+  a registration that gets no answer because the handshake failed (no keys against an edge that requires them,
+  a refused key) says why (`testbed.runtime.handshake_watch`);
+- when the edge announces it (``registered.clock``), the device measures its clock's offset to the edge's right
+  after registering (`device_node.clock_sync`), for the edge's records.
 
 Several devices in one process (`device_node.host`, a profile's ``devices_per_process``): each is a
 `DeviceNode` in its own thread, and they handle their messages one at a time (`device_node.gate`), so that
@@ -49,6 +53,8 @@ from contextlib import ExitStack
 import numpy as np
 import zmq
 
+from device_node import next_run
+from device_node.clock_sync import ClockExchanges
 from device_node.drafting import Draft, Drafter
 from device_node.gate import OPEN, Gate
 from device_node.hardware import HardwareProfile, load_hardware
@@ -57,8 +63,9 @@ from device_node.options import EPILOG, ExitCode, add_arguments
 from testbed.core.sampling import DraftParams, RoundRandomness, SamplingParams, sample_correction
 from testbed.core.vocabulary import DL, UPLINK
 from testbed.runtime import timeline
+from testbed.runtime.handshake_watch import KEYS_HINT, ClientHandshakeWatch
 from testbed.runtime.heartbeat import Heartbeat, HeartbeatThread, PeerTimes
-from testbed.runtime.security import ClientKeys, SecurityError, make_client
+from testbed.runtime.security import ClientKeys, SecurityError, is_loopback, make_client
 from testbed.runtime.waiting import Rehearsal, wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
@@ -96,8 +103,11 @@ class DeviceNode:
                  keys: ClientKeys | None = None, reconnect: bool = False,
                  register_retry_s: float = REGISTER_RETRY_S, register_retry_max_s: float = REGISTER_RETRY_MAX_S,
                  link_probe: BackgroundProbe | None = None, gate: Gate | None = None, busy_poll: bool = False,
-                 calibrate_tokens: int = CALIBRATE_TOKENS):
+                 calibrate_tokens: int = CALIBRATE_TOKENS, serve_runs: bool = False):
         self.connect, self.name, self.drafter = connect, name, drafter
+        # After a bye, wait for the next run instead of exiting (`device_node.next_run`, a warm pool's devices).
+        self.serve_runs = serve_runs
+        self._run_generation = next_run.generation()  # the next-run signals seen when the session started
         # Drafting time per token, timed once before the first registration (0 tokens: not timed, not sent).
         self.calibrate_tokens = int(calibrate_tokens)
         self.draft_time_s: float | None = None
@@ -112,6 +122,8 @@ class DeviceNode:
         self.register_retry_s, self.register_retry_max_s = register_retry_s, register_retry_max_s
         self.ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
+        self.handshake: ClientHandshakeWatch | None = None  # why the edge did not answer, if its handshake failed
+        self.clock: ClockExchanges | None = None  # this session's clock exchanges with the edge
         self._open()
         self.rounds_done = 0
         self.session: str | None = None
@@ -137,17 +149,19 @@ class DeviceNode:
     def _open(self) -> None:
         """(Re)open the DEALER: a fresh socket drops whatever the old one still queued."""
         if self.sock is not None:
+            self.handshake.close()
             self.sock.close(linger=0)
         sock = self.ctx.socket(zmq.DEALER)
         if self.keys is None:  # with keys the edge and the emulator name a device after its key, not its routing id
             sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
         sock.setsockopt(zmq.LINGER, 1000)
         make_client(sock, self.keys)
+        self.handshake = ClientHandshakeWatch(sock, has_keys=self.keys is not None)
         sock.connect(self.connect)
         self.sock = sock
 
-    def _send(self, frames: list, *, copy: bool = True) -> None:
-        self.sock.send_multipart(frames, copy=copy)
+    def _send(self, frames: list, *, copy: bool = True, flags: int = 0) -> None:
+        self.sock.send_multipart(frames, flags=flags, copy=copy)
         self.peer.sent()
 
     def _send_air(self, frames: list, air: str) -> None:
@@ -195,9 +209,16 @@ class DeviceNode:
         while True:
             code = self._register(deadline)
             if code is not None:
-                return code
+                if not self._next_run(code):
+                    return code
+                deadline = None
+                continue
             try:
-                return self._serve()
+                code = self._serve()
+                if not self._next_run(code):
+                    return code
+                deadline = None  # the next run's edge is bound (`device_node.next_run`)
+                continue
             except _SessionEnded as exc:
                 log.warning("%s: the edge ended this device's session (%s); registering again", self.name, exc)
                 self._end_session()
@@ -216,8 +237,23 @@ class DeviceNode:
                 self._open()
                 deadline = None  # --reconnect: until the edge returns
 
+    def _next_run(self, code: ExitCode) -> bool:
+        """With `serve_runs`, after the edge's bye: wait for the next run (`device_node.next_run`), then register
+        again on a fresh socket; False (the process ends with `code`) otherwise."""
+        if not self.serve_runs or code != ExitCode.OK:
+            return False
+        self._end_session()
+        log.info("%s: waiting for the next run", self.name)
+        next_run.wait_beyond(self._run_generation)
+        # The same connection (a new one under the same name could be refused while the old one is being torn
+        # down): only what the last run left in it is dropped.
+        while self.sock.poll(0):
+            self.sock.recv_multipart()
+        return True
+
     def close(self) -> None:
         self.beats.close()
+        self.handshake.close()
         self.sock.close(linger=0)
 
     def _register(self, deadline: float | None) -> ExitCode | None:
@@ -226,13 +262,18 @@ class DeviceNode:
         Each resend goes out on a fresh socket after a growing wait. An `error` refuses the registration only
         when it is about the register itself (the edge names the field, ``register.*``) or fatal: an error
         answering a message of an earlier connection must not end a reconnecting device."""
-        retry, first = self.register_retry_s, True
+        retry, first, told = self.register_retry_s, True, None
         while True:
             if not first:
                 self._open()
             first = False
-            self._send(M.register(self.name, self.drafter.vocab_size, self.hardware.to_dict(),
-                                  features=(M.SCHEDULE_IN_VERDICT,), draft_time_s=self.draft_time_s))
+            try:  # never blocks: a socket whose handshake failed has no peer (libzmq gives up on it), and a
+                # DEALER without one would block this send for good; the next try opens a fresh socket
+                self._send(M.register(self.name, self.drafter.vocab_size, self.hardware.to_dict(),
+                                      features=(M.SCHEDULE_IN_VERDICT, M.CLOCK_OFFSET),
+                                      draft_time_s=self.draft_time_s), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.debug("%s: register not sent (no connection to the edge)", self.name)
             until = time.monotonic() + retry
             if deadline is not None:
                 until = min(until, deadline)
@@ -263,12 +304,24 @@ class DeviceNode:
                     return ExitCode.OK
                 else:
                     log.debug("%s: ignoring a %r message while registering", self.name, kind)
+            why = self.handshake.poll() or told  # the handshake failed: say why the edge does not answer
             if deadline is not None and time.monotonic() >= deadline:
-                log.error("%s: no answer from the edge at %s within %.0f s", self.name, self.connect,
-                          self.register_timeout_s)
+                why = why or self._unanswered_hint()
+                log.error("%s: no answer from the edge at %s within %.0f s%s", self.name, self.connect,
+                          self.register_timeout_s, f": {why}" if why else "")
                 return ExitCode.NO_EDGE
+            if why and why != told:
+                log.error("%s: the edge at %s does not answer: %s", self.name, self.connect, why)
+                told = why
             log.info("%s: no answer from the edge at %s yet; registering again", self.name, self.connect)
             retry = min(2 * retry, self.register_retry_max_s)
+
+    def _unanswered_hint(self) -> str | None:
+        """No handshake failure seen, no keys, an edge beyond the loopback: an edge that requires keys may look
+        like a silent one (a handshake the edge never answered)."""
+        if self.keys is None and not is_loopback(self.connect):
+            return "is the edge up at this address? (if it requires CURVE keys: " + KEYS_HINT + ")"
+        return None
 
     def _calibrate(self) -> float | None:
         """This device's drafting time per token as the rounds will measure it (`time_drafting`, on a shared host
@@ -373,6 +426,8 @@ class DeviceNode:
                     self._on_schedule(nxt)
             elif kind == P.PROBE:
                 self._on_probe(header, arrays)
+            elif kind == P.CLOCK:
+                self._on_clock(header)
             elif kind == P.HEARTBEAT or kind == P.TX_START:
                 pass
             elif kind == P.BYE:
@@ -403,6 +458,7 @@ class DeviceNode:
 
     def _start_session(self, header: dict, arrays: dict) -> None:
         reg = M.parse_registered(header, arrays, vocab_size=self.drafter.vocab_size)
+        self._run_generation = next_run.generation()
         self.session = reg.session
         self.seed = reg.seed
         self.params = SamplingParams(**reg.sampling)
@@ -423,6 +479,18 @@ class DeviceNode:
         log.info("%s: session %s, prompt of %d tokens%s", self.name, self.session, len(self.committed),
                  "" if self.heartbeat_s is None else
                  f", heartbeat {self.heartbeat_s:g} s, liveness {self.liveness}")
+        if reg.clock:  # the edge answers clock exchanges: measure the offset between the two clocks
+            self.clock = ClockExchanges(self.name)
+            self._send(self.clock.start())
+
+    def _on_clock(self, header: dict) -> None:
+        """A clock exchange's reply: the next request, or the result for the edge's records."""
+        if self.clock is None:
+            raise ProtocolError("clock: no exchange in flight")
+        t3 = self.clock.wall() - (time.monotonic() - self._t_recv)  # when it was received, on the wall clock
+        out = self.clock.on_reply(header, t3)
+        if out is not None:
+            self._send(out)
 
     def _prefill(self) -> None:
         """The prompt into the drafter's cache before round 0's schedule (a drafter that can: `prefill`), so
@@ -666,6 +734,8 @@ def run_from_args(args) -> ExitCode:
     """Build the device from parsed `add_arguments` options and run it; returns its exit code."""
     from device_node.drafter import OnnxDrafter  # onnxruntime + numpy only
 
+    if args.serve_runs:
+        next_run.install()  # before the parent may signal the next run
     keys = None
     if args.keys:
         try:
@@ -687,7 +757,8 @@ def run_from_args(args) -> ExitCode:
         return ExitCode.USAGE
     node = DeviceNode(args.connect, args.name, drafter, hardware, register_timeout_s=args.register_timeout,
                       tx_marker=not args.no_tx_marker, keys=keys, reconnect=args.reconnect,
-                      link_probe=probe_thread.start() if probe_thread else None, busy_poll=args.busy_poll)
+                      link_probe=probe_thread.start() if probe_thread else None, busy_poll=args.busy_poll,
+                      serve_runs=args.serve_runs)
     try:
         return node.run()
     finally:

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "linux-wireless[:IFACE] | file:PATH | command:CMD | none (default: none)")
     parser.add_argument("--link-probe-period-s", type=float, default=1.0, metavar="S",
                         help="seconds between two link measurements (default: 1)")
+    parser.add_argument("--serve-runs", action="store_true",
+                        help="after the edge ends a run, wait for SIGUSR1 and register again for the next run "
+                             "instead of exiting (the warm trials of `multispin compare` and `campaign`)")
     parser.add_argument("--busy-poll", action="store_true",
                         help="busy-poll the socket instead of sleeping while waiting for the edge: no kernel "
                              "wake-up per message (0.3-0.5 ms on a virtual machine), at the cost of a core")

@@ -26,6 +26,7 @@ class EdgeConfig:
     deadline_s: float = 10.0
     max_misses: int = 2
     max_invalid_payloads: int = 3  # drafts in a row refused by testbed.wire.validate: then the session ends
+    straggler_misses: int = 0  # misses in a row that bench a device (`edge_node.bench`); 0: no bench
     max_new_tokens: int = 0
     on_air_vocab_size: int | None = None
     channel_mode: str = "passthrough"
@@ -51,6 +52,13 @@ class EdgeConfig:
             raise ValueError(f"liveness={lv!r}; allowed: an integer in 1..{M.MAX_LIVENESS}")
         object.__setattr__(self, "heartbeat_s", float(hb))
 
+    def adapt_deadline(self, deadline_s: float) -> None:
+        """The one setting changed once the edge runs (`testbed.run.deadline`: the plan cannot meet the profile's):
+        in place, as every part of the edge holds this object."""
+        if not (math.isfinite(deadline_s) and deadline_s > 0):
+            raise ValueError(f"deadline_s={deadline_s!r}; must be a positive number of seconds")
+        object.__setattr__(self, "deadline_s", float(deadline_s))
+
     @property
     def window_s(self) -> float:
         """Silent this long: the peer is dead."""
@@ -62,7 +70,7 @@ class EdgeConfig:
         """The edge's settings of a run profile (`testbed.run.profile`)."""
         return cls(vocab_size=vocab_size, sampling=SamplingParams(**p.sampling.model_dump()), seed=p.seed,
                    deadline_s=p.deadline_s, max_misses=p.max_misses, max_new_tokens=p.max_new_tokens,
-                   max_invalid_payloads=p.max_invalid_payloads,
+                   max_invalid_payloads=p.max_invalid_payloads, straggler_misses=p.straggler_misses,
                    on_air_vocab_size=p.on_air_vocab_size, channel_mode=p.channel.mode,
                    base_latency_s=p.channel.base_latency_s, policy=p.policy, prompt_texts=prompt_texts,
                    measure_links=p.channel.measure_links, rate_probes=p.channel.rate_probes,

@@ -5,7 +5,8 @@ Pure logic (no sockets, no clocks): the edge server feeds it observations and as
   A round with n accepted out of L is n successes and (1 if n < L) failure: per-token Bernoulli trials
   up to and including the first rejection. Rounds drafted from a top-k truncated q (`payload_format: topk`,
   `topk_choices`) feed a posterior per (device, k) instead, whose prior mean is the scenario's
-  `topk_acceptance_ratio[k]` x the device's dense alpha; the plan gets them per option (`core.payload`).
+  ratio of k calibrated before round 0 (`edge_node.topk_calibration`; else `topk_acceptance_ratio[k]`) x the
+  device's dense alpha; the plan gets them per option (`core.payload`).
 - t_k: median of the last `draft_time_window` device-reported drafting times per token (they include the
   emulated slowdown; a median because a shared CPU adds rare long stalls), seeded from the profile's
   draft_time_s times the device's compute_scale, or (`calibrate`) the device's own timing at registration.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge_node import topk_estimate
 from testbed.core import payload
 from testbed.core.model import distribution_bits, evaluate
 from testbed.core.optimizer import BuiltinPolicy, DevicePlan, InfeasiblePlanError, Plan, plan
@@ -57,6 +59,9 @@ FALLBACK_POLICY = "all-dl"
 # channel source), counted per kind in summary.json's `fallbacks`.
 FALLBACK_KINDS = ("infeasible", "plugin_error", "policy_error", "channel_source_error")
 ON_PLUGIN_ERROR = ("stop", "fallback")
+# The online verification fit needs this many batch sizes spanning this factor; else only the intercept moves,
+# over this many recent rounds.
+VERIFY_FIT_SIZES, VERIFY_FIT_SPAN, VERIFY_RECENT = 3, 2.0, 20
 
 
 @dataclass
@@ -103,6 +108,7 @@ class RoundPlan:
     channel_fallback: dict | None = None
     # name -> why its gain is the mean path loss at distance_m (its channel state gave no gain, SNR or rate).
     gain_fallback: dict[str, str] = field(default_factory=dict)
+    prefill_positions: int = 0  # prompt positions to prefill in this round's verification (in its t_0)
     # Which estimates are still priors and which are fits (`Controller.estimates_from`; the record's field).
     estimates_from: dict = field(default_factory=dict)
 
@@ -171,8 +177,12 @@ class Controller:
         self.static_gains = dict(zip([d.name for d in scenario.devices], scenario.gains_db().tolist()))
         self.prior_trials = float(alpha_prior_trials)
         self.topk_trials: dict[tuple[str, int], list[float]] = {}  # (name, k) -> [successes, trials]
+        self.topk_ratio: dict[int, float] = {}  # k -> alpha_k / alpha measured before round 0 (`calibrate_topk`)
         self.t0, self.t1 = scenario.verify_t0_s, scenario.verify_t1_s
-        self.verify_from = "prior"  # | "calibrated" (`calibrate_verify`) | "one_size" | "fit" | "origin"
+        self.verify_from = "prior"  # | "calibrated" (`calibrate_verify`) | "intercept" | "fit" | "origin"
+        # Positions the next round's verification computes beyond sum(L_k + 1): prompts of sessions not yet
+        # prefilled (set by the edge before it plans; `plan_verify_t0`).
+        self.prefill_positions = 0
         # Observation windows are bounded: an edge runs for days, and only the recent ones are used.
         self._verify_obs: deque[tuple[float, float]] = deque(maxlen=200)
         # T_0 (spec section 4): the round's fixed overhead (messages, scheduling) the model does not see.
@@ -233,13 +243,18 @@ class Controller:
         e.successes += n_accepted
         e.trials += trials
 
+    def _ratio(self, k: int) -> float:  # r_k: calibrated, else the scenario's
+        return self.topk_ratio.get(int(k)) or payload.ratio(self.base, k)
+
+    def alpha_dense(self, name: str, skip: int | None = None) -> float:
+        """The device's dense alpha from its rounds of every option but `skip` (`edge_node.topk_estimate`)."""
+        return topk_estimate.dense_alpha(self.est[name], self.topk_trials, name, self._ratio, skip)
+
     def alpha_topk(self, name: str, k: int) -> float:
-        """alpha of a device drafting from its top-k truncated q: Beta posterior of its top-k rounds, prior
-        mean `topk_acceptance_ratio[k]` x its dense alpha (clipped into (0, 1))."""
-        prior = float(payload.prior_acceptance(self.base, k, [self.est[name].alpha])[0])
-        s, n = self.topk_trials.get((name, int(k)), (0.0, 0.0))
-        total = self.prior_trials + n
-        return prior if total <= 0 else (prior * self.prior_trials + s) / total
+        """alpha of a device drafting from its top-k truncated q: Beta posterior of its k rounds around r_k x
+        the dense alpha its other rounds tell (`edge_node.topk_estimate`)."""
+        return topk_estimate.alpha_under(int(k), self.alpha_dense(name, skip=int(k)), self.prior_trials,
+                                         self.topk_trials.get((name, int(k))), self._ratio)
 
     def observe_draft_time(self, name: str, draft_s: float, draft_len: int) -> None:
         if not (draft_s > 0 and draft_len > 0 and math.isfinite(draft_s)):  # a device's own report
@@ -265,6 +280,15 @@ class Controller:
         e.draft_time_s, e.calibrated = float(draft_time_s), True
         return True
 
+    def calibrate_topk(self, result: dict | None) -> bool:
+        """r_k = alpha_k / alpha measured on the pair before round 0 (`edge_node.topk_calibration`), in place
+        of the scenario's ratios. Ignored without `calibrate`."""
+        if not self.calibrate or not result:
+            return False
+        self.calibration["topk"] = result
+        self.topk_ratio.update({int(k): float(r) for k, r in result["ratio"].items()})
+        return True
+
     def calibrate_verify(self, result: dict | None) -> bool:
         """t_0, t_1 timed on the target before round 0 (`edge_node.calibration.calibrate_verification`): the
         verification model until the online fit (`observe_verify`) replaces it. Ignored without `calibrate`."""
@@ -284,20 +308,22 @@ class Controller:
         sizes = sorted({o[0] for o in obs})
         x = np.array(sizes)
         y = np.array([np.median([o[1] for o in obs if o[0] == sz]) for sz in sizes])
-        if x.size < 2:
-            # One batch size so far: keep the slope, move the intercept to the median; a target faster than the
-            # prior's slope says (the intercept would go below 0) gets the line through the origin instead.
-            t0 = float(y[0] - self.t1 * x[0])
-            self.t0, self.t1 = (t0, self.t1) if t0 >= 0 else (0.0, float(y[0] / x[0]))
-            self.verify_from = "one_size" if t0 >= 0 else "origin"
-            return
-        t1, t0 = np.polyfit(x, y, 1)
-        if t1 >= 0 and t0 >= 0:
-            self.t0, self.t1 = float(t0), float(t1)
-            self.verify_from = "fit"
-        else:  # a negative fit would make the model nonsense; fall back to a line through the origin
-            self.t0, self.t1 = 0.0, float(max(0.0, np.sum(x * y) / np.sum(x * x)))
-            self.verify_from = "origin"
+        if x.size >= VERIFY_FIT_SIZES and x[-1] >= VERIFY_FIT_SPAN * x[0]:
+            t1, t0 = np.polyfit(x, y, 1)
+            if t1 >= 0 and t0 >= 0:
+                self.t0, self.t1 = float(t0), float(t1)
+                self.verify_from = "fit"
+                return
+        # Batch sizes too close together to tell a slope from noise (the Qwen pair's rounds, 4 to 6 positions,
+        # fitted t1 = 1.13 s and t0 = 0): keep the slope (calibrated or prior) and move the intercept to the
+        # median residual of the recent rounds, which also follows a host whose load changes. A target faster
+        # than the slope allows (the intercept would go below 0) gets a line through the origin instead.
+        recent = obs[-VERIFY_RECENT:]
+        t0 = float(np.median([v - self.t1 * n for n, v in recent]))
+        if t0 >= 0:
+            self.t0, self.verify_from = t0, "intercept"
+        else:
+            self.t0, self.t1, self.verify_from = 0.0, float(np.median([v / n for n, v in recent])), "origin"
 
     def observe_round(self, measured_round_s: float, predicted_round_s: float, overhead_used_s: float,
                       verify_error_s: float = 0.0) -> None:
@@ -364,6 +390,11 @@ class Controller:
                 "draft_time_calibrated": [n for n in untimed if self.est[n].calibrated]}
 
     # -- planning --------------------------------------------------------------------------------
+    def plan_verify_t0(self) -> float:
+        """t_0 of the round being planned: the model's, plus the prefill of prompts that join this round (a
+        constant of the round, so it moves no choice of L; without it the Qwen pair's round 0 read 150% over)."""
+        return self.t0 + self.t1 * self.prefill_positions
+
     def scenario_for(self, names: list[str], gains: dict[str, float],
                      rate_override: dict[str, dict] | None = None) -> Scenario:
         """The base scenario restricted to `names`, with the current estimates in place; a device whose rate
@@ -374,7 +405,8 @@ class Controller:
             acceptance={n: self.est[n].alpha for n in names},
             draft_time_s={n: self.est[n].draft_time_s for n in names},
             channel_gain_db={n: gains[n] for n in names}, only=keep,
-            fields={"verify_t0_s": self.t0, "verify_t1_s": self.t1, "round_overhead_s": self.round_overhead_s,
+            fields={"verify_t0_s": self.plan_verify_t0(), "verify_t1_s": self.t1,
+                    "round_overhead_s": self.round_overhead_s,
                     "header_bits": self.header_bits},
         )
         if not rate_override:
@@ -416,8 +448,9 @@ class Controller:
         scen = self.scenario_for(usable, gains, fixed)
         scen, energy = self.energy.budgeted(scen)  # budgets less the measured air-time margin
         names = usable
-        # alpha per top-k option: this run's estimates (none for dense, whose alpha is in the scenario)
-        by_option = {k: {n: self.alpha_topk(n, k) for n in names} for k in payload.options(scen) if k is not None}
+        # alpha per option, with top-k options (a dense run: none, its alpha is in the scenario)
+        opts = payload.options(scen) if any(k is not None for k in payload.options(scen)) else []
+        by_option = {k: {n: self.alpha_dense(n) if k is None else self.alpha_topk(n, k) for n in names} for k in opts}
         if self.pin_mode and self.pin_draft_len:
             # Fully pinned schedule: nothing to optimise but the upload format, only the model's prediction of it.
             n = scen.num_devices
@@ -433,12 +466,13 @@ class Controller:
                for n in names}
         for n in names:
             if by_option:
-                est[n]["alpha_topk"] = {str(k): a[n] for k, a in by_option.items()}
+                est[n]["alpha_topk"] = {str(k): a[n] for k, a in by_option.items() if k is not None}
         return RoundPlan(round_index, list(names), chosen.to_dict(), chosen.scenario, est,
                          {d.name: d for d in chosen.device_plans()}, requested=asked,
                          t_s=t_s, rate_override=fixed, rate_source=source, live_used=live, sat_out=sat_out,
                          energy=energy, link_sources={n: dict(self.measured_sources[n]) for n in names
                                                       if n in self.measured_sources},
+                         prefill_positions=self.prefill_positions,
                          channel_fallback=channel_fb, gain_fallback=self._gain_fallback(round_index, t_s, names,
                                                                                         channel_fb),
                          estimates_from=self.estimates_from(names))
@@ -624,7 +658,9 @@ def round_record(rp: RoundPlan, *, policy: str, outcomes: dict[str, DeviceOutcom
            "time_base": "wall" if virtual is None else "virtual",
            "num_ul": sum(1 for n in rp.devices if rp.per_device[n].mode == UL),
            "devices": devices, "predicted": predicted, "measured": measured,
-           "verify_model": {"t0_s": rp.scenario.verify_t0_s, "t1_s": rp.scenario.verify_t1_s},
+           # t0_s: the model's; the prediction's t_0 adds t1_s x prefill_positions (`Controller.plan_verify_t0`)
+           "verify_model": {"t0_s": rp.scenario.verify_t0_s - rp.scenario.verify_t1_s * rp.prefill_positions,
+                            "t1_s": rp.scenario.verify_t1_s, "prefill_positions": rp.prefill_positions},
            "round_overhead_s": rp.scenario.round_overhead_s, "header_bits": rp.scenario.header_bits,
            "dl_provisioning": rp.scenario.dl_provisioning,
            # The round's draft distribution: dense, or top-k k (every device; docs/system-model.md, section 3).

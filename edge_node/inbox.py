@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import time
 
+from edge_node.link_stamps import LinkStamps
 from edge_node.round_state import ArrivedDraft
-from edge_node.sessions import Session
+from edge_node.sessions import Session, clock_record
 from edge_node.transport import Refusal
 from edge_node.virtual_clock import WAITED_S, ThreadClock
 from testbed.core.vocabulary import UPLINK
@@ -33,6 +34,7 @@ class Inbox:
         self.rehearsal = Rehearsal(self.cfg.busy_poll)  # the last draft's decode and checks, rerun while busy-polling
         # name -> (session id, drafts in a row refused by testbed.wire.validate); `max_invalid_payloads` end it
         self.invalid_streak: dict[str, tuple[str, int]] = {}
+        self.link_stamps = LinkStamps()  # how each draft and report was stamped, for the link estimates
 
     def mark_free(self) -> None:
         """The edge is free to read again: a message read within WAITED_S of this was queued while it was busy."""
@@ -85,6 +87,8 @@ class Inbox:
             self.take_link(name, M.parse_link(header), t_arr)
         elif kind == P.REGISTER:
             srv.roster.register(name, header)
+        elif kind == P.CLOCK:
+            self._on_clock(name, header, t_arr)
         elif kind == P.DRAFT:
             self._on_draft(name, header, arrays, nbytes, via_channel, t_arr, waited)
         elif kind == P.REPORT:
@@ -96,7 +100,20 @@ class Inbox:
             srv.prober.on_echo(name, header, arrays, t_arr)
         else:
             raise ProtocolError(f"type: {P.show(kind)} is not allowed from a device; allowed: register, draft, "
-                                "report, heartbeat, error" + (", probe_echo" if srv.prober is not None else ""))
+                                "report, heartbeat, error, clock" + (", probe_echo" if srv.prober is not None else ""))
+
+    def _on_clock(self, name: str, header: dict, t_arr: float) -> None:
+        """A clock exchange (`testbed.runtime.clock_offset`), answered at once, registered or not: t1 is the
+        arrival (`t_arr`, monotonic) on the wall clock, t2 the reply's sending. A registered device's result
+        (`clock.result`) is kept with its session, for the records."""
+        got = M.parse_clock(header, reply=False)
+        if isinstance(got, dict):
+            self._registered(name, "clock result")
+            self.srv.sessions[name].clock = clock_record(name, got)
+            return
+        (t0,) = got
+        t1 = time.time() - (time.monotonic() - t_arr)
+        self.srv.socket.send(name, M.clock_reply(t0, t1, time.time()))
 
     def _registered(self, name: str, kind: str, hint: str = "") -> None:
         if name not in self.srv.sessions:
@@ -132,6 +149,7 @@ class Inbox:
         s.unconfirmed = 0  # its last_token matched: the device holds every token committed so far
         handled_s = max(0.0, time.monotonic() - t_arr - self._clock.descheduled_s())
         cur.drafts[name] = ArrivedDraft(t_arr, d, nbytes, waited, handled_s=handled_s)
+        self.link_stamps.note(name, "draft", cur.index, waited, self.srv.socket.stamp_width_s)
 
     def _invalid_payload(self, name: str, s: Session, exc: InvalidPayload, r: int) -> bool:
         """Count a draft whose distributions `testbed.wire.validate` refused; at `max_invalid_payloads` in a row,
@@ -194,6 +212,7 @@ class Inbox:
             cur.reports[name] = (t_arr, rep)
             if waited:
                 cur.reports_waited.add(name)
+            self.link_stamps.note(name, "report", cur.index, waited, self.srv.socket.stamp_width_s)
         self.take_link(name, rep.link, t_arr)
 
     def _check_report(self, s: Session, header: dict) -> M.Report:

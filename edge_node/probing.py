@@ -13,11 +13,15 @@ each with its own intercept a (latencies, the small message, the edge's and the 
 why these samples go into their own fit (`LinkEstimator.set_probe`), never into the rounds' (whose intercept
 is a schedule's and a draft's trip). A sweep grows the size from `min_bytes` (x2..x16 by the shortfall, as
 `multispin channel probe` does) until a round trip takes `target_s` or the size reaches `max_bytes`, then
-probes POINTS sizes from a quarter of that size to it, REPEATS times in shuffled order (up to MAX_REPEATS
-while the fit cannot tell), all within `budget_s`; `fit_line` goes through the repeats' per-size minima
+probes POINTS sizes from a quarter of that size (at most the size of a target_s round trip) to it, and
+`min_bytes`, in whole passes: REPEATS, up to MAX_REPEATS while the fit cannot tell or a size's two fastest
+probes disagree (`settled`), all within `budget_s`; `fit_line` goes through the repeats' per-size minima
 (through the large ones alone when they spread, so that a shaper's burst shifts the intercept, not the
-slope), and a sweep claims its rate only when the line is tight enough (`accepted`). A pause of GAP_S
-between probes lets a token bucket (tc tbf, a Wi-Fi burst) refill, so that each probe meets the same bucket.
+slope), and a sweep claims its rate only when the line is tight enough (`accepted`). The small size gives
+the shaper's burst (`burst_of`), which the rounds' fits account for. A pause of GAP_S between probes lets a
+token bucket (tc tbf, a Wi-Fi burst) refill, so that each probe meets the same bucket. A probe during which
+the edge's loop or ZeroMQ's I/O thread waited for a core (`edge_node.run_delay`) is set aside: it extends
+the budget by its time (up to `budget_s` again) and serves only if the sweep cannot tell without it.
 
 When (`Prober`): at a device's registration, a sweep of each direction, before the next round. Between
 rounds, the refresh of at most one device (`due`): a direction measured (by a sweep or by a large message of
@@ -32,6 +36,7 @@ no round's messages share the link with them; the edge serves every other messag
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -42,8 +47,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_node.run_delay import RunDelay
 from testbed.core.vocabulary import DOWNLINK, UPLINK
-from testbed.runtime.link_estimate import DirectionEstimate, LinkFit, next_sweep_size
+from testbed.runtime.link_estimate import (
+    LARGE_FRACTION,
+    DirectionEstimate,
+    LinkFit,
+    burst_of,
+    next_sweep_size,
+    small_point,
+)
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
 
@@ -52,7 +65,11 @@ log = logging.getLogger("multispin.edge.probing")
 DIRECTIONS = (DOWNLINK, UPLINK)  # a registration sweeps both, the downlink first (the edge's own egress)
 POINTS = 3              # sizes from a quarter of the largest to it, after the growth
 REPEATS = 2             # ... each probed this many times: the minimum drops one-sided delays
-MAX_REPEATS = 6         # ... or up to this many while the fit cannot tell yet (a fast link), within the budget
+MAX_REPEATS = 8         # ... or up to this many while the fit cannot tell or is not `settled`, within the budget
+AGREE_SHARE = 0.01      # `settled`: a size's two fastest probes within this share of its time ...
+AGREE_FLOOR_S = 0.0005  # ... or this
+DESCHEDULED_SHARE = 0.05  # a probe during which the edge waited for a core this share of its round trip ...
+DESCHEDULED_FLOOR_S = 0.001  # ... and this (on a loaded host every probe waits a little), is set aside
 GROW_SHARE = 0.5        # the growth may use this share of the budget; the repeats the rest
 GAP_S = 0.01            # between probes: a 3-10 kB token bucket refills at 4-20 Mbit/s within 6 ms
 MIN_ECHO_WAIT_S = 2.0   # an echo later than this (or than the budget, if longer) ends the sweep
@@ -86,6 +103,19 @@ def accepted(est: DirectionEstimate) -> tuple[LinkFit | None, str | None]:
         return None, (f"no rate: the round trips scatter by {1e3 * fit.resid_rms_s:.1f} ms around the line, against "
                       f"a {1e3 * transfer:.1f} ms transfer (losses or delays on the path)")
     return fit, None
+
+
+def settled(est: DirectionEstimate) -> bool:
+    """Whether each size's two fastest probes agree within AGREE_SHARE of their
+    time (or AGREE_FLOOR_S): the least time of a size is then the link's, not one lucky probe's."""
+    groups: dict[int, list[float]] = {}
+    for b, t in est.samples:
+        groups.setdefault(b, []).append(t)
+    for times in groups.values():
+        fast = sorted(times)
+        if len(fast) < 2 or fast[1] - fast[0] > max(AGREE_FLOOR_S, AGREE_SHARE * fast[0]):
+            return False
+    return True
 
 
 @dataclass
@@ -135,9 +165,10 @@ class SweepSizes:
 
 class Prober:
     """Runs the probe sweeps of an `EdgeServer` (`server`: its sessions, `send`, `poll`, `links`, and
-    `publish_link_rates`); `settings`: `testbed.run.profile.RateProbeSettings`."""
+    `publish_link_rates`); `settings`: `testbed.run.profile.RateProbeSettings`; `run_delay`: whose waits for a
+    core set a probe aside (default: this process's loop and ZeroMQ I/O threads)."""
 
-    def __init__(self, server, settings):
+    def __init__(self, server, settings, run_delay: RunDelay | None = None):
         self.server, self.settings = server, settings
         self.queue: deque[Sweep] = deque()       # registration sweeps, run before the next round
         self._ids = itertools.count()
@@ -149,6 +180,10 @@ class Prober:
         self.done: list[dict] = []                 # sweeps since the last round record (`take_log`)
         self.refresh_from = -math.inf              # no refresh sweep before this (edge clock)
         self.seen: dict[tuple[str, str], float | None] = {}  # (name, direction) -> its last measurement seen
+        self._run_delay = run_delay or RunDelay()  # the edge's threads waiting for a core (`_ping`)
+        self._pings = 0                            # the current sweep's probes timed ...
+        self._spoiled: list[tuple[int, float, float]] = []  # ... those the edge waited through, (bytes, s, when)
+        self._spoiled_used = False                 # ... and whether the fit needed them after all
 
     # -- hooks of the edge ---------------------------------------------------------------------------
     def on_register(self, name: str, sid: str) -> None:
@@ -261,40 +296,25 @@ class Prober:
         return the sweep's entry for the round record."""
         st = self.settings
         sizes = SweepSizes(st.min_bytes, st.max_bytes, st.target_s, seed=next(self._ids))
-        grown, est = DirectionEstimate(window=SWEEP_WINDOW), DirectionEstimate(window=SWEEP_WINDOW)
+        # Per size, the fastest of the whole sweep (one measurement: no change of rate to follow within it).
+        grown, est = (DirectionEstimate(window=SWEEP_WINDOW, recent=SWEEP_WINDOW) for _ in range(2))
         t0 = time.monotonic()
-        pings, size = 0, st.min_bytes
-        while True:  # the growth
-            rtt, error = self._ping(sw, size)
-            if error is not None:
-                break
-            pings += 1
-            grown.add(size, rtt, t=time.monotonic())
-            nxt = sizes.next_growth(size, rtt)
-            # ... until the target, max_bytes, or a next size whose time (this one's, scaled) would overrun
-            # the growth's share of the budget
-            if nxt is None or time.monotonic() + rtt * nxt / size > t0 + GROW_SHARE * st.budget_s:
-                break
-            size = nxt
-            self._gap()
-        top = size
+        self._pings, self._spoiled, self._spoiled_used = 0, [], False
+        top, error = self._grow(sw, sizes, grown, t0)
         # A repeat's time: the large growth steps' least time per byte (a loss on one of them only adds).
         per_byte = min([t / b for b, t in grown.samples if b >= top / 4], default=0.0)
-        # The repeats, as far as the budget holds them: REPEATS passes, more while the fit cannot tell.
-        for k, order in enumerate(sizes.repeats(top, MAX_REPEATS) if error is None else []):
-            if k >= REPEATS and accepted(est)[0] is not None:
-                break
-            for s in order:
-                if time.monotonic() + GAP_S + per_byte * s > t0 + st.budget_s:
-                    continue
-                self._gap()
-                rtt, error = self._ping(sw, s)
-                if error is not None:
-                    break
-                pings += 1
-                est.add(s, rtt, t=time.monotonic())
-            if error is not None:
-                break
+        if per_byte > 0:
+            # The repeats go up to the size of a target_s round trip, or half the largest: the growth's last
+            # step overshoots the target by up to 2x, and whole passes of that did not fit the budget twice at
+            # 6 Mbit/s (halving at most: a step held by a loss would shrink the sizes into a shaper's burst).
+            top = max(st.min_bytes, top // 2, min(top, int(st.target_s / per_byte)))
+        if error is None:
+            error = self._repeat(sw, sizes, top, per_byte, est, t0)
+        if accepted(est)[0] is None and error is None and self._spoiled:
+            # Every size needs its probes: on a host this loaded, those the edge waited through serve too.
+            for b, t, when in self._spoiled:
+                est.add(b, t, t=when)
+            self._spoiled_used = True
         # The fit stands on the repeats: a growth step is the first transfer of its size, which TCP may send
         # with a window not yet open (slow start on a path whose queue inflates the round trip): seen +3 ms
         # on 93 kB at 8 Mbit/s, +2.3% on the rate. The growth's samples serve only when the repeats tell nothing.
@@ -311,7 +331,55 @@ class Prober:
                 why = f"no rate: the link is too fast for probes of {top} bytes (rate_probes.max_bytes)"
             error = why or ("no rate: the round trips did not grow with the size beyond their scatter (losses or "
                             "delays on the path)")
-        return self._finish(sw, fit, t0, pings, error, top)
+        if fit is not None:  # the token bucket's burst, for the rounds' fits (`LinkEstimator.burst`)
+            samples = list(est.samples)
+            small_bytes, small_s = small_point(samples, fit)
+            fit = dataclasses.replace(fit, burst_bytes=burst_of(samples, fit), small_bytes=small_bytes, small_s=small_s)
+        return self._finish(sw, fit, t0, self._pings, error, top)
+
+    def _grow(self, sw: Sweep, sizes: SweepSizes, grown: DirectionEstimate, t0: float) -> tuple[int, str | None]:
+        """The growth: sizes from `min_bytes` until the target, max_bytes, or a next size whose time (this one's,
+        scaled) would overrun the growth's share of the budget; returns (the last size, why a probe failed)."""
+        size = self.settings.min_bytes
+        while True:
+            rtt, error = self._ping(sw, size)
+            if error is not None:
+                return size, error
+            if rtt is None:  # set aside (the edge was descheduled): this size again, within the growth's share
+                if time.monotonic() > t0 + GROW_SHARE * self._budget_s():
+                    return size, None
+                self._gap()
+                continue
+            grown.add(size, rtt, t=time.monotonic())
+            nxt = sizes.next_growth(size, rtt)
+            if nxt is None or time.monotonic() + rtt * nxt / size > t0 + GROW_SHARE * self._budget_s():
+                return size, None
+            size = nxt
+            self._gap()
+
+    def _repeat(self, sw: Sweep, sizes: SweepSizes, top: int, per_byte: float, est: DirectionEstimate,
+                t0: float) -> str | None:
+        """The repeats after the growth, whole passes as far as the budget holds them: REPEATS passes, more (up to
+        MAX_REPEATS) until the fit tells and each size's two fastest probes agree (`settled`: on a busy host
+        one clean probe per size is luck, two that agree are the link). Each pass also probes `min_bytes`,
+        below a token bucket's burst, so that the sweep measures the burst (`burst_of`). Returns why a probe
+        failed, or None."""
+        st = self.settings
+        small = [st.min_bytes] if st.min_bytes < LARGE_FRACTION * top else []
+        for k, order in enumerate(sizes.repeats(top, MAX_REPEATS)):
+            if k >= REPEATS and accepted(est)[0] is not None and settled(est):
+                break
+            # Whole passes only: a size probed once is no point of the fit (`link_estimate.GROUP_MIN_N`).
+            if time.monotonic() + sum(GAP_S + per_byte * s for s in small + order) > t0 + self._budget_s():
+                break
+            for s in small + order:
+                self._gap()
+                rtt, error = self._ping(sw, s)
+                if error is not None:
+                    return error
+                if rtt is not None:
+                    est.add(s, rtt, t=time.monotonic())
+        return None
 
     def _finish(self, sw: Sweep, fit: LinkFit | None, t0: float, pings: int, error: str | None,
                 top: int) -> dict:
@@ -323,7 +391,9 @@ class Prober:
         key = (sw.name, sw.direction)
         self.seen[key], self.ref[key] = links.last_measured(*key), links.choose(sw.name, _other(sw.direction))[0]
         entry = {"device": sw.name, "direction": sw.direction, "why": sw.why, "s": now - t0, "pings": pings,
-                 "max_bytes": top, "fit": None if fit is None else fit.to_dict(), "error": error}
+                 "descheduled": len(self._spoiled), "descheduled_s": sum(t for _, t, _ in self._spoiled),
+                 "descheduled_used": self._spoiled_used, "max_bytes": top,
+                 "fit": None if fit is None else fit.to_dict(), "error": error}
         self.done.append(entry)
         rate = "no rate" if fit is None else f"{fit.rate_bps / 1e6:.3f} Mbit/s"
         log.info("%s: %s probe sweep (%s): %s, %d probes up to %d bytes in %.3f s%s", sw.name,
@@ -331,8 +401,8 @@ class Prober:
         return entry
 
     def _ping(self, sw: Sweep, size: int) -> tuple[float | None, str | None]:
-        """One probe of `size` bytes in the sweep's direction; (round trip minus the device's hold, None) or
-        (None, why it failed)."""
+        """One probe of `size` bytes in the sweep's direction; (round trip minus the device's hold, None),
+        (None, None) when it was set aside (the edge was descheduled meanwhile), or (None, why it failed)."""
         srv = self.server
         if not self._session_ok(sw):
             return None, "the session ended"
@@ -346,17 +416,33 @@ class Prober:
             frames = M.probe(p.id, size)
         self._pending = p
         wait = max(MIN_ECHO_WAIT_S, self.settings.budget_s)
+        delay0 = self._run_delay.now()
         p.t_send = time.monotonic()
         srv.send(sw.name, frames)
         srv.poll(p.t_send + wait, stop=lambda: p.rtt is not None or p.error is not None or not self._session_ok(sw))
         self._pending = None
+        waited = RunDelay.waited(delay0, self._run_delay.now())
         log.debug("%s: %s probe %d of %d bytes: %s", sw.name, sw.direction, p.id, size,
                   p.error or ("no echo" if p.rtt is None else f"{1e3 * p.rtt:.3f} ms"))
         if p.error is not None:
             return None, p.error
         if p.rtt is None:
             return None, (f"no echo within {wait:g} s" if self._session_ok(sw) else "the session ended")
+        self._pings += 1
+        if waited > DESCHEDULED_FLOOR_S and waited > DESCHEDULED_SHARE * p.rtt:
+            # The edge's loop or ZeroMQ's I/O thread waited for a core meanwhile: this round trip measures the
+            # host as well as the link (on a busy host such probes read sweeps 12-14% low). Set aside: the fit
+            # takes it only if the sweep cannot tell without it.
+            self._spoiled.append((size, p.rtt, time.monotonic()))
+            log.debug("%s: probe %d set aside: the edge waited %.3f ms for a core", sw.name, p.id, 1e3 * waited)
+            return None, None
         return p.rtt, None
+
+    def _budget_s(self) -> float:
+        """The sweep's time limit: `budget_s`, plus the time of the probes set aside (the edge was descheduled
+        through them: the host's time, not the link's), up to `budget_s` more."""
+        budget = self.settings.budget_s
+        return budget + min(budget, sum(t for _, t, _ in self._spoiled))
 
     def _gap(self) -> None:
         self.server.poll(time.monotonic() + GAP_S)

@@ -52,13 +52,15 @@ class RoundInFlight:
     reports_waited: set[str] = field(default_factory=set)   # reports queued while the edge was busy
     draws: dict[str, RoundRandomness] = field(default_factory=dict)  # name -> its draws, made while it drafts
     ahead: bool = False  # scheduled with the previous round's verdicts (`SyncRounds.schedule_ahead`)
+    benched: set[str] = field(default_factory=set)  # scheduled, not waited for (`edge_node.bench`)
+    bench_events: dict[str, list[str]] = field(default_factory=dict)  # "benched"/"rejoined" -> names, this round
 
     def awaits_draft(self, name: str) -> bool:
         return (not self.closed and name in self.schedule and name not in self.drafts
                 and name not in self.given_up)
 
     def drafting_done(self) -> bool:
-        return all(n in self.drafts or n in self.given_up for n in self.schedule)
+        return all(n in self.drafts or n in self.given_up or n in self.benched for n in self.schedule)
 
 
 class InFlight:

@@ -37,7 +37,7 @@ from edge_node.round_state import DRAIN_BATCH, InFlight, Rounds
 from edge_node.sessions import Session, Sessions
 from edge_node.sync_rounds import SyncRounds, edge_phases
 from edge_node.transport import REFUSAL_LOG_BURST, EdgeSocket, Refusal
-from edge_node.verification import DrawsAhead, Verification
+from edge_node.verification import DrawsAhead, Verification, extra_positions
 from edge_node.virtual_clock import WAITED_S, ThreadClock
 from testbed.core.model import ul_first_bits
 from testbed.runtime.link_estimate import LinkEstimator
@@ -45,6 +45,8 @@ from testbed.runtime.sockets import HANDSHAKE_S
 from testbed.runtime.waiting import wait_readable
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
+
+CLOCK_WAIT_S = 2.0  # at most this for the devices' clock offsets once all registered (`wait_for_devices`)
 
 __all__ = ["DRAIN_BATCH", "HANDSHAKE_S", "MAX_MSGS_PER_S", "REFUSAL_LOG_BURST", "WAITED_S", "DrawsAhead",
            "EdgeConfig", "EdgeServer", "Refusal", "Session", "ThreadClock", "draft_header_bits", "edge_phases"]
@@ -65,6 +67,9 @@ class EdgeServer:
         self.before_record = None
         self.watch = ChannelWatch(channel, cfg.heartbeat_s, cfg.base_latency_s)
         self.inflight = InFlight()
+        # Request-level serving (`edge_node.requests.RequestQueues`, set before devices register); None: each
+        # device generates from one prompt for the whole run.
+        self.requests = None
         self.roster = Sessions(self, {d.name for d in scenario.devices}, prompts)
         self.sessions: dict[str, Session] = self.roster.by_name
         self.socket = EdgeSocket(bind, cfg, self.sessions, context)
@@ -160,14 +165,22 @@ class EdgeServer:
             self.drain(mark_free=False, limit=len(self.socket.held))
 
     def wait_for_devices(self, names: list[str], timeout_s: float) -> list[str]:
-        """Serve registrations until all `names` registered or the timeout; returns those missing."""
+        """Serve registrations until all `names` registered or the timeout; returns those missing. Once all
+        registered, up to `CLOCK_WAIT_S` more for the clock offsets of the devices that measure one (a few round
+        trips: the run's first rounds must not race them)."""
         self.poll(time.monotonic() + timeout_s, stop=lambda: all(n in self.sessions for n in names))
-        return [n for n in names if n not in self.sessions]
+        missing = [n for n in names if n not in self.sessions]
+        if not missing:
+            self.poll(time.monotonic() + CLOCK_WAIT_S, stop=lambda: all(
+                s.clock is not None for s in self.sessions.values() if M.CLOCK_OFFSET in s.features))
+        return missing
 
     # -- what both round loops share ---------------------------------------------------------------
     def plan_fresh(self, r: int, names: list[str]) -> tuple[RoundPlan, float]:
         """The controller's plan of round `r` for `names`, and the seconds it took."""
         t = time.monotonic()
+        self.controller.prefill_positions = extra_positions(
+            self.verifier, [self.sessions[n].sid for n in names if n in self.sessions])
         with self.socket.lent():  # a plan may take long (many devices, a plug-in policy): heartbeats go on
             rp = self.controller.plan_round(r, names, t - self.t_origin)
         return rp, time.monotonic() - t
@@ -189,6 +202,8 @@ class EdgeServer:
             self.controller.observe_round(rec["measured"]["round_s"], *fit_round, verify_error_s=verify_error)
         self.controller.observe_energy(rec)  # measured UL air times: the energy budgets' margins
         self.controller.observe_outcome(rec)  # what the policy sees of this round next time
+        if self.requests is not None:  # each request's tokens of this round, before it may complete
+            self.requests.on_record(rec, self.sessions, self.t_origin)
         if self.before_record is not None:
             self.before_record(rec)
         if self.recorder is not None:

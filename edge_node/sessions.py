@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from edge_node.transport import Refusal
+from testbed.runtime.clock_offset import ClockOffset
 from testbed.runtime.heartbeat import PeerTimes
 from testbed.wire import messages as M
 from testbed.wire import protocol as P
@@ -45,6 +46,8 @@ class Session:
     unconfirmed: int = 0                    # output tokens committed here whose report has not come yet
     peer: PeerTimes = field(default_factory=PeerTimes)  # edge clock: our latest message to it, its latest to us
     features: frozenset[str] = frozenset()  # what its device understands (`register.features`)
+    idle: bool = False  # serving requests (`edge_node.requests`): none in service, no rounds, heartbeats go on
+    clock: dict | None = None  # `ClockOffset.to_record()` of its device's clock (`clock.result`); None: not sent
 
 
 class Sessions:
@@ -89,7 +92,7 @@ class Sessions:
         return not s.done and not self.srv.socket.heartbeat.expired(s.peer, time.monotonic())
 
     def open(self, name: str, hardware: dict, features: frozenset[str] = frozenset()) -> None:
-        srv, cfg = self.srv, self.cfg
+        srv = self.srv
         idx = sorted(self.known).index(name) % len(self.prompts)
         sid = f"{name}#{next(self._sid)}"
         prompt = list(self.prompts[idx])
@@ -98,14 +101,32 @@ class Sessions:
         self.by_name[name] = Session(name, sid, prompt, hardware, pending=[], peer=PeerTimes(0.0, now),
                                      features=features)
         srv.controller.observe_hardware(name, hardware)  # its energy constants, for the records
+        self.send_registered(name, sid, prompt)
+        log.info("%s: registered (session %s, hardware %s)", name, sid, hardware.get("name"))
+        if srv.requests is not None:  # serving requests: idle until one starts on it
+            srv.requests.on_open(name, self.by_name[name])
+        if srv.prober is not None:
+            srv.prober.on_register(name, sid)  # its links are swept before its first round
+
+    def restart(self, name: str, prompt: list[int]) -> str:
+        """A new request on a registered device (`edge_node.requests`): a new session with a fresh verifier
+        context, and a `registered` with the request's prompt (the device resets its drafter). Returns its id."""
+        srv, old = self.srv, self.by_name[name]
+        srv.verifier.close(old.sid)
+        sid = f"{name}#{next(self._sid)}"
+        srv.verifier.open(sid, list(prompt))
+        self.by_name[name] = Session(name, sid, list(prompt), old.hardware, pending=[], peer=old.peer,
+                                     features=old.features, clock=old.clock)
+        self.send_registered(name, sid, list(prompt))
+        return sid
+
+    def send_registered(self, name: str, sid: str, prompt: list[int]) -> None:
+        srv, cfg = self.srv, self.cfg
         srv.socket.send(name, M.registered(
             sid, prompt, seed=cfg.seed, sampling=dataclasses.asdict(cfg.sampling), bits_per_prob=srv.bits,
             on_air_vocab_size=cfg.on_air_vocab_size, max_draft_len=srv.scenario.max_draft_len,
             tx_marker=cfg.tx_marker and cfg.channel_mode != "passthrough", heartbeat_s=cfg.heartbeat_s,
-            liveness=cfg.liveness))
-        log.info("%s: registered (session %s, hardware %s)", name, sid, hardware.get("name"))
-        if srv.prober is not None:
-            srv.prober.on_register(name, sid)  # its links are swept before its first round
+            liveness=cfg.liveness, clock=True))
 
     # -- leaving ---------------------------------------------------------------------------------
     def drop(self, name: str, reason: str, *, notify: bool = True) -> None:
@@ -194,20 +215,24 @@ class Sessions:
 
     # -- finishing -------------------------------------------------------------------------------
     def has_all_tokens(self, s: Session, uncommitted: int = 0) -> bool:
-        n = self.cfg.max_new_tokens
+        n = self.cfg.max_new_tokens if self.srv.requests is None else self.srv.requests.limit(s.name)
         return bool(n) and len(s.output_ids) + uncommitted >= n
 
     def finish_if_done(self, name: str) -> None:
         """A session that has its max_new_tokens drafts no more: free its KV cache now (its outputs are
         kept) and tell the device."""
         s = self.by_name.get(name)
-        if s is not None and self.has_all_tokens(s) and not s.done:
+        if s is not None and self.srv.requests is not None and self.has_all_tokens(s) and not s.idle:
+            s.idle = True  # the request is complete; the device waits for its next one
+            self.srv.verifier.close(s.sid)
+            self.srv.requests.complete(name)
+        elif s is not None and self.has_all_tokens(s) and not s.done:
             s.done = True
             self.srv.verifier.close(s.sid)
             self.srv.socket.send(name, M.done(f"generated {len(s.output_ids)} tokens"))
 
     def active_names(self) -> list[str]:
-        return sorted(n for n, s in self.by_name.items() if not s.done and s.awaiting_report is None)
+        return sorted(n for n, s in self.by_name.items() if not s.done and not s.idle and s.awaiting_report is None)
 
     def finish(self, reason: str) -> dict[str, Session]:
         """Tell every device the run is over; return every session, ended ones included (their outputs)."""
@@ -220,3 +245,17 @@ class Sessions:
             out.setdefault(name, s)
         return out
 
+
+def clock_record(name: str, clock: dict | None) -> dict | None:
+    """The record of a device's measured clock offset (`clock.result`); a warning when the offset exceeds its
+    uncertainty, since timestamps taken on that device then disagree with the edge's."""
+    if clock is None:
+        return None
+    rec = ClockOffset(clock["offset_s"], clock["rtt_s"], clock["exchanges"]).to_record()
+    if rec["offset_exceeds_uncertainty"]:
+        log.warning("%s: its clock is %+.3f s off the edge's (+- %.3f s, %d exchanges): timestamps taken on it "
+                    "are off by as much", name, -rec["offset_s"], rec["uncertainty_s"], rec["exchanges"])
+    else:
+        log.info("%s: clock offset %+.4f s +- %.4f s (round trip %.4f s)", name, rec["offset_s"],
+                 rec["uncertainty_s"], rec["rtt_s"])
+    return rec

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from edge_node.bench import Bench
 from edge_node.controller import DeviceOutcome, RoundPlan, channel_links, round_record
 from edge_node.round_state import RoundInFlight, missed_reasons, schedule_fields
 from edge_node.verification import DrawsAhead
@@ -32,6 +33,7 @@ class SyncRounds:
         self.ahead: RoundInFlight | None = None  # the next round, scheduled with this round's verdicts
         self.rounds_end = 0  # `run`'s last round + 1: nothing is scheduled ahead past it
         self.last_round_end: float | None = None  # edge clock: when the latest round ended (`edge_phases`)
+        self.bench = Bench(self.cfg.straggler_misses)  # stragglers the rounds do not wait for
 
     def run(self, rounds: int, *, on_round=None, join_wait_s: float = 0.0, keep_records: bool = True,
             start_round: int = 0) -> list[dict] | None:
@@ -41,13 +43,16 @@ class SyncRounds:
         for r in range(start_round, rounds):
             # Serve registrations that arrived between rounds (joins and rejoins); check the emulator.
             srv.poll(time.monotonic() + join_wait_s)
+            if srv.requests is not None and not srv.requests.ready(srv):
+                break  # serving requests: every one served (or every device left)
             self.probe_links()
             rec = self.run_round(r)
             if rec is None:
-                if not any(not s.done for s in srv.sessions.values()):
+                if srv.requests is None and not any(not s.done for s in srv.sessions.values()):
                     break
                 # Everyone is waiting on a late report: give them time instead of burning rounds.
-                srv.poll(time.monotonic() + self.cfg.deadline_s, stop=lambda: bool(srv.roster.active_names()))
+                srv.poll(time.monotonic() + self.cfg.deadline_s, stop=lambda: bool(srv.roster.active_names())
+                         or (srv.requests is not None and srv.requests.due(srv)))
                 continue
             if records is not None:
                 records.append(rec)
@@ -121,6 +126,7 @@ class SyncRounds:
             srv.watch.configure(r, channel_links(rp), rp.scenario.dl_access)
         cur = RoundInFlight(r, rp, plan_s, {n: rp.per_device[n] for n in rp.devices},
                             {n: srv.sessions[n].sid for n in rp.devices}, t0=time.monotonic())
+        cur.benched = self.bench.of_round(cur.sids)
         srv.inflight.current = cur
         if send:
             for name in cur.schedule:
@@ -154,9 +160,17 @@ class SyncRounds:
             if name in cur.drafts:
                 s.misses = 0
                 present.append(name)
+                if self.bench.answered(name, s.sid, cur.index):
+                    cur.bench_events.setdefault("rejoined", []).append(name)
+            elif name in cur.benched and name not in cur.given_up:
+                # On the bench: what it can apply (a `dropped` verdict), no miss counted.
+                srv.socket.send(name, M.dropped(cur.index, "benched: the round did not wait for its draft"))
             else:
                 srv.roster.missed(cur.index, name,
                                   cur.given_up.get(name, f"no draft within {self.cfg.deadline_s} s"))
+                s = srv.sessions.get(name)
+                if s is not None and self.bench.after_miss(name, s.sid, s.misses, cur.index):
+                    cur.bench_events.setdefault("benched", []).append(name)
         return present
 
     # verify and reply
@@ -231,6 +245,8 @@ class SyncRounds:
                                   **({"link_probes": srv.prober.take_log()} if srv.prober is not None else {}),
                                   "joined": sorted(set(srv.sessions) - set(cur.schedule) - set(rp.sat_out))})
         missed_reasons(rec, cur)
+        if self.bench.enabled:
+            bench_fields(rec, cur)
         if t_end - cur.t0 > self.cfg.deadline_s:
             # Logged and recorded, never a reason for a device to leave: heartbeats went on meanwhile.
             rec["past_deadline"] = True
@@ -259,3 +275,15 @@ def edge_phases(cur: RoundInFlight, verify_s: float | None, t_end: float, last_e
             "drafts_s": None if closed is None else closed - cur.t0,
             "reply_s": None if closed is None or replied is None else replied - closed - (verify_s or 0.0),
             "reports_s": None if replied is None else t_end - replied}
+
+
+def bench_fields(rec: dict, cur: RoundInFlight) -> None:
+    """Round record `rec`'s bench (`edge_node.bench`): `benched`, the devices the round did not wait for (each
+    one's entry says `benched: true`), and `bench_events`, who went to the bench and who came back at this round."""
+    rec["benched"] = sorted(cur.benched)
+    for name in cur.benched:
+        entry = rec.get("devices", {}).get(name)
+        if entry is not None:
+            entry["benched"] = True
+    if cur.bench_events:
+        rec["bench_events"] = {k: sorted(v) for k, v in cur.bench_events.items()}

@@ -19,6 +19,8 @@ from collections import Counter, deque
 import zmq
 
 from testbed.runtime import security
+from testbed.runtime.handshake_watch import ServerHandshakeWatch
+from testbed.runtime.heap import release_freed_memory
 from testbed.runtime.heartbeat import Heartbeat, HeartbeatThread
 from testbed.runtime.sockets import harden_router, max_message_bytes
 from testbed.wire import messages as M
@@ -30,8 +32,15 @@ log = logging.getLogger("multispin.edge")
 REFUSAL_LOG_BURST = 20  # refusals logged per second; beyond that they are counted (a flood must not fill the disk)
 # What the heartbeat thread takes in during one long call, at most; the rest waits in ZeroMQ's queues as it would
 # without the thread (a flood must not fill the memory).
+# After this many refused messages and this long without one, the flood is over: the freed heap goes back to
+# the kernel (`testbed.runtime.heap.release_freed_memory`; the edge keeps 256 MiB of it otherwise).
+FLOOD_TRIM_REFUSALS, FLOOD_QUIET_S = 1_000, 1.0
 HELD_MAX_MESSAGES = 10_000
 HELD_MAX_BYTES = 256 << 20
+# With `measure_links`, the heartbeat thread looks at the socket this often during a long call, so that what it
+# takes in is stamped within a few ms of its arrival (`stamp_width_s`): a draft or report that came while the
+# edge planned still measures the link (at 250 ms it was left out, and a DL-mode uplink lost every draft).
+STAMP_TICK_S = 0.001
 
 
 class Refusal(ProtocolError):
@@ -59,17 +68,26 @@ class EdgeSocket:
         self._claim: tuple[str, bytes] | None = None  # (name, connection) a `register` in hand would move it to
         self._in_hand: list = []  # the last message's first frames (`recv`): a refusal logs its sender's address
         self.refused = 0
+        self._refused_at_trim, self._last_refusal = 0, 0.0
         self.refusals: Counter[str] = Counter()  # reason -> refused messages
         self._refusal_log = security.LogThrottle(log, REFUSAL_LOG_BURST, "refused messages")
         self._beat = M.heartbeat()
-        # (frames, arrival) taken in by the heartbeat thread during a long call, handled first by `recv`
-        self.held: deque[tuple[list, float]] = deque()
+        # (frames, arrival, width) taken in by the heartbeat thread during a long call, handled first by `recv`
+        self.held: deque[tuple[list, float, float | None]] = deque()
         self._held_bytes = 0
-        self.beats = HeartbeatThread(self._serve_lent, cfg.heartbeat_s / 4, name="edge-heartbeats")
+        self._emptied: float | None = None  # when the socket was last seen empty (edge clock)
+        # Of the message `recv` returned last: how long before its stamp it may have arrived (its stamp minus
+        # when the socket was last seen empty); None when not known. `edge_node.link_stamps` reads it.
+        self.stamp_width_s: float | None = None
+        tick = cfg.heartbeat_s / 4
+        self.beats = HeartbeatThread(self._serve_lent, min(tick, STAMP_TICK_S) if cfg.measure_links else tick,
+                                     name="edge-heartbeats")
 
     def lent(self):
         """Context manager around a long call of the edge's loop (it must not touch the socket inside): the
         heartbeat thread sends the heartbeats due and takes in what arrives meanwhile."""
+        if not self.held and not self.sock.poll(0):
+            self._emptied = time.monotonic()  # what the thread takes in arrived after this
         return self.beats.lent()
 
     def _serve_lent(self) -> None:
@@ -79,9 +97,12 @@ class EdgeSocket:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._emptied = time.monotonic()
                 return
-            self.held.append((frames, time.monotonic()))
+            now = time.monotonic()
+            self.held.append((frames, now, None if self._emptied is None else now - self._emptied))
             self._held_bytes += sum(len(f) for f in frames)
+        self._emptied = None  # left in the socket: what comes next may have waited since before
 
     def _bind(self, bind: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -91,12 +112,16 @@ class EdgeSocket:
         # would skip the air time (the handshake fails, so it cannot even hold a device's name here).
         security.make_server(sock, self.keys, admit=None if self.cfg.channel_mode == "passthrough"
                              else (security.CHANNEL_CLIENT,))
+        # A refused handshake delivers no message: the watch logs the peer's address and why (no keys, ...).
+        self.handshakes = ServerHandshakeWatch(sock, log) if self.keys is not None else None
         sock.bind(bind)
         return sock
 
     # -- out -------------------------------------------------------------------------------------
     def send(self, name: str, frames: list) -> None:
         self.sock.send_multipart([self.routes.get(name) or name.encode(), *frames], copy=False)
+        if not self.held and not self.sock.poll(0):
+            self._emptied = time.monotonic()  # a reply to this arrives after it (`stamp_width_s`)
         s = self.sessions.get(name)
         if s is not None:
             s.peer.sent()
@@ -119,7 +144,8 @@ class EdgeSocket:
         the sender."""
         self.refused += 1
         self.refusals[reason] += 1
-        self._refusal_log.warn(time.monotonic(), reason, "refused a message from %s%s: %s",
+        self._last_refusal = time.monotonic()
+        self._refusal_log.warn(self._last_refusal, reason, "refused a message from %s%s: %s",
                                P.show(ident.decode("utf-8", "replace"), 80), self._address(ident), message)
         if not answer:
             return
@@ -138,22 +164,29 @@ class EdgeSocket:
 
     def flush_log(self, now: float) -> None:
         self._refusal_log.flush(now)
+        if self.refused - self._refused_at_trim >= FLOOD_TRIM_REFUSALS and now - self._last_refusal >= FLOOD_QUIET_S:
+            self._refused_at_trim = self.refused
+            released = release_freed_memory()
+            log.info("edge: a flood ended (%d refused messages in all): freed heap %s", self.refused,
+                     "given back to the system" if released else "had nothing to give back")
 
     # -- in --------------------------------------------------------------------------------------
     def recv(self) -> tuple[list, float, bool] | None:
         """The next message: (frames, arrival on the edge clock, whether it was held: taken in by the heartbeat
-        thread during a long call, so that its arrival stamp is late by up to a tick); None when none is queued.
-        Held messages come first: they arrived before anything still in the socket."""
+        thread during a long call, so that its arrival stamp is late by up to a tick, `stamp_width_s`); None when
+        none is queued. Held messages come first: they arrived before anything still in the socket."""
         if self.held:
-            frames, t_arr = self.held.popleft()
+            frames, t_arr, self.stamp_width_s = self.held.popleft()
             self._held_bytes -= sum(len(f) for f in frames)
             held = True
         else:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._emptied = time.monotonic()
                 return None
             t_arr, held = time.monotonic(), False
+            self.stamp_width_s = None if self._emptied is None else t_arr - self._emptied
         self._in_hand = frames[:2]  # identity and header only: an array frame may be large
         return frames, t_arr, held
 
@@ -225,4 +258,6 @@ class EdgeSocket:
 
     def close(self) -> None:
         self.beats.close()
+        if self.handshakes is not None:
+            self.handshakes.close()
         self.sock.close(linger=200)

@@ -32,6 +32,13 @@ from testbed.wire import protocol as P
 log = logging.getLogger("multispin.edge")
 
 
+def extra_positions(verifier, session_ids: list[str]) -> int:
+    """Positions a verification of these sessions computes beyond sum(L_k + 1) (prompts to prefill); 0 for a
+    plug-in verifier that does not say (`BatchedVerifier.extra_positions`)."""
+    count = getattr(verifier, "extra_positions", None)
+    return sum(count(sid) for sid in session_ids) if count is not None else 0
+
+
 class DrawsAhead(RoundRandomness):
     """A device's draws of a round with the verification's (`draft_len` acceptance uniforms, the final draw)
     made at once: the same numbers as `RoundRandomness` gives later (a shorter request gets their prefix)."""
@@ -66,6 +73,7 @@ class Verification:
         names, sessions = list(rounds), self.srv.sessions
         items = [(sessions[n].sid, list(sessions[n].pending), rounds[n].drafts[n].draft.tokens.tolist())
                  for n in names]
+        extra = extra_positions(self.srv.verifier, [sessions[n].sid for n in names])
         tv = time.monotonic()
         timeline.stamp("edge: verification starts", tv)
         with self.srv.socket.lent():  # the target's forward may outlast the liveness window: heartbeats go on
@@ -84,7 +92,7 @@ class Verification:
             except Exception as exc:
                 outcomes.pop(name)
                 self._unverifiable(cur, name, exc)
-        self.srv.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names), verify_s)
+        self.srv.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names) + extra, verify_s)
         for name, o in outcomes.items():
             self._observe(rounds[name], name, o)
         return outcomes, verify_s, tv, replying.descheduled_s()
@@ -189,10 +197,11 @@ class Verification:
         if charged:
             ctl.observe_upload(charged, slot.ul_bits, cur.plan.scenario.header_bits, mode=slot.mode)
         arrived = cur.drafts[name]
-        if links is not None and not arrived.waited:  # a draft read late says nothing of the link
+        if links is not None:
             # schedule sent -> draft here, minus the device's drafting: the one-way trips (+ the upload)
+            how = self.srv.inbox.link_stamps.take(name, "draft", cur.index)
             seconds = arrived.t_arrival - cur.t0 - (o.timings.get("draft_s") or 0.0)
-            o.link = {"ul": links.observe(name, UPLINK, arrived.nbytes, seconds, t=arrived.t_arrival)}
+            o.link = {"ul": link_sample(links, name, UPLINK, arrived.nbytes, seconds, arrived.t_arrival, how)}
             self.srv.publish_link_rates([name])
 
     def take_report(self, cur: RoundInFlight, name: str, o: DeviceOutcome) -> float:
@@ -202,12 +211,23 @@ class Verification:
         o.dl_channel, o.correction_s = rep.dl_channel, rep.timings.get("correction_s")
         o.report_s = t_report - o.t_verdict
         links = self.srv.links
-        if links is not None and name not in cur.reports_waited:
+        if links is not None:
             # verdict sent -> report here, minus the device's correction: the one-way trips (+ the verdict)
-            entry = links.observe(name, DOWNLINK, o.dl_bytes, o.report_s - (o.correction_s or 0.0), t=t_report)
-            o.link = {**(o.link or {}), "dl": entry}
+            how = self.srv.inbox.link_stamps.take(name, "report", cur.index)
+            seconds = o.report_s - (o.correction_s or 0.0)
+            o.link = {**(o.link or {}), "dl": link_sample(links, name, DOWNLINK, o.dl_bytes, seconds, t_report, how)}
             self.srv.publish_link_rates([name])
         return t_report
+
+
+def link_sample(links, name: str, direction: str, nbytes: int, seconds: float, t: float, how: str) -> dict:
+    """One message's link sample into the estimate, unless it was read late (`edge_node.link_stamps`); its
+    entry for the record, `stamp` saying how it was stamped (a late one's `raw_s` is an upper bound)."""
+    if how == "late":
+        fit = links.fit(name, direction)
+        return {"bytes": int(nbytes), "raw_s": seconds, "s": None, "fit": None if fit is None else fit.to_dict(),
+                "stamp": how}
+    return {**links.observe(name, direction, nbytes, seconds, t=t), "stamp": how}
 
 
 def _finite_values(timings: dict) -> dict:

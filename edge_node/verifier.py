@@ -97,6 +97,13 @@ class BatchedVerifier:
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)
 
+    def extra_positions(self, session: str) -> int:
+        """Positions the session's next verify computes beyond its L + 1: its committed tokens not in the cache
+        but one (a new session's whole prompt, its prefill); 0 for an unknown session. The edge's plan adds
+        them to the verification time (`Controller.prefill_positions`)."""
+        s = self.sessions.get(session)
+        return max(0, len(s.held) - 1) if s is not None else 0
+
     def context_length(self, session: str) -> int:
         return self._get(session).context_len
 

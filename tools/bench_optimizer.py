@@ -4,8 +4,8 @@ Prints, per N, the median of several runs of this tree's optimizer and, side by 
 another git revision (HEAD by default; its testbed/core/optimizer.py and power.py are loaded from git into
 temporary modules, the rest of testbed/core is this tree's), timed alternately so that both see the same
 machine load; whether both chose the same schedule; the growth exponent of a log-log fit of the median
-time against N; and the targets: N = 128 under 15 ms, N = 512 under 100 ms (issue 12), and N = 128 under
-the live controller's budget of 100 ms per plan.
+time against N; and the targets: N = 128 under 15 ms, N = 512 under 100 ms (issue 12), N = 1,024 under 100 ms and
+N = 4,096 under 1 s with either uplink (issue 36), and N = 128 under the live controller's budget of 100 ms per plan.
 
 The process keeps freed heap memory as `multispin` does (`testbed.runtime.heap`); --default-malloc times it with
 glibc's defaults instead, under which large temporaries fault their pages in again at every greedy step.
@@ -13,6 +13,7 @@ glibc's defaults instead, under which large temporaries fault their pages in aga
 Run: python tools/bench_optimizer.py [--repeats R] [--sizes 8,32,128,512] [--against REV | --no-compare]
      [--set dl_provisioning=expected --set rounds=asynchronous ...]   (scenario fields of every drop)
      [--default-malloc] [--ul-access dedicated|fdma_shared]   (a shared uplink: B^U = N x 1 MHz, the same spectrum)
+     [--against-file PATH]   (an optimizer.py to compare with instead of the revision's, e.g. uncommitted work)
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ from testbed.runtime.heap import keep_freed_memory
 ROOT = Path(__file__).resolve().parents[1]  # the checkout (git revisions), not an import path
 
 BUDGET_S = 0.100                           # the live controller's plan budget at N = 128
-TARGETS_S = {128: 0.015, 512: 0.100}       # issue 12
+TARGETS_S = {128: 0.015, 512: 0.100,       # issue 12
+             1024: 0.100, 4096: 1.0}       # issue 36 (dedicated and fdma_shared: --ul-access)
 
 
-def load_revision(rev: str):
-    """The `plan` function of git revision `rev` (its optimizer and DL power solver; the rest is this tree's)."""
+def load_revision(rev: str, optimizer_file: str | None = None):
+    """The `plan` function of git revision `rev` (its optimizer and DL power solver; the rest is this tree's);
+    optimizer_file: that optimizer.py instead of the revision's (e.g. a saved copy of uncommitted work)."""
     def source(path):
+        if optimizer_file and path.endswith("optimizer.py"):
+            return Path(optimizer_file).read_text()
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout
     power = types.ModuleType(f"_bench_power_{rev}")
@@ -66,12 +71,14 @@ def exponent(sizes, times) -> float:
     return float(np.polyfit(np.log(sizes), np.log(times), 1)[0])
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8,32,128,512")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--policy", default="proposed")
     ap.add_argument("--against", default="HEAD", help="git revision to compare with (default HEAD)")
+    ap.add_argument("--against-file", metavar="PATH",
+                    help="compare with this optimizer.py (a saved copy of uncommitted work; power.py from --against)")
     ap.add_argument("--no-compare", action="store_true", help="time this tree only")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a scenario field for every drop, e.g. dl_provisioning=expected (repeatable)")
@@ -79,6 +86,26 @@ def main() -> int:
                     help="the uplink: a dedicated band per device (default) or one shared band split by the plan")
     ap.add_argument("--default-malloc", action="store_true",
                     help="glibc's malloc defaults, not the freed-memory reuse that multispin sets")
+    return ap
+
+
+def print_targets(sizes, new_t, fields) -> None:
+    """Each target N's median against its target, and N = 128 against the controller's budget."""
+    if fields:
+        print("(the targets below are for the default drop, without --set)")
+    for n, target in TARGETS_S.items():
+        if n in sizes:
+            t = new_t[sizes.index(n)]
+            print(f"N={n}: {t * 1e3:.1f} ms vs target {target * 1e3:.0f} ms -> "
+                  f"{'OK' if t < target else 'OVER TARGET'}")
+    if 128 in sizes:
+        t128 = new_t[sizes.index(128)]
+        print(f"N=128: {t128 * 1e3:.1f} ms vs the controller's budget {BUDGET_S * 1e3:.0f} ms -> "
+              f"{'OK' if t128 < BUDGET_S else 'OVER BUDGET'} (ratio {t128 / BUDGET_S:.2f})")
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     kept = False if args.default_malloc else keep_freed_memory()
     print(f"heap: {'freed memory kept for reuse (as multispin)' if kept else 'malloc defaults'}")
@@ -100,7 +127,9 @@ def main() -> int:
     old_plan = None
     if not args.no_compare:
         try:
-            old_plan = load_revision(args.against)
+            old_plan = load_revision(args.against, args.against_file)
+            if args.against_file:
+                args.against = Path(args.against_file).stem[:10]
         except (subprocess.CalledProcessError, OSError, SyntaxError, ImportError) as exc:
             print(f"(no comparison: cannot load {args.against}: {exc})")
     new_t, old_t = [], []
@@ -133,17 +162,7 @@ def main() -> int:
             if sizes[a] >= 128:
                 print(f"  from N={sizes[a]} to {sizes[b]}: new N^{exponent(sizes[a:b + 1], new_t[a:b + 1]):.2f}"
                       + (f", {args.against} N^{exponent(sizes[a:b + 1], old_t[a:b + 1]):.2f}" if old_t else ""))
-    if fields:
-        print("(the targets below are for the default drop, without --set)")
-    for n, target in TARGETS_S.items():
-        if n in sizes:
-            t = new_t[sizes.index(n)]
-            print(f"N={n}: {t * 1e3:.1f} ms vs target {target * 1e3:.0f} ms -> "
-                  f"{'OK' if t < target else 'OVER TARGET'}")
-    if 128 in sizes:
-        t128 = new_t[sizes.index(128)]
-        print(f"N=128: {t128 * 1e3:.1f} ms vs the controller's budget {BUDGET_S * 1e3:.0f} ms -> "
-              f"{'OK' if t128 < BUDGET_S else 'OVER BUDGET'} (ratio {t128 / BUDGET_S:.2f})")
+    print_targets(sizes, new_t, fields)
     return 0
 
 

@@ -2,8 +2,10 @@
 
 rounds.jsonl is nested (round -> devices -> predicted / measured); analysis tools want one flat row per
 device and round. Columns, in this order: `run` (only when several runs are exported together), the run's
-own `policy`, `seed`, `tags` (';'-joined) and, for a campaign's run, `sweep_key` and `sweep_value`, then `round`,
-`device`, the device's schedule (`mode`, `draft_len`, powers), its outcome (`missed`, `n_accepted`, ...),
+own `policy`, `seed`, `tags` (';'-joined), `status` (complete, degraded, ...), `fallback_rounds` (the run's
+rounds not planned as the profile says) and, for a campaign's run, `sweep_key` and `sweep_value`, then `round`,
+`fallback` (why this round fell back: the kinds, ';'-joined, e.g. plugin_error; empty: it did not), `device`,
+the device's schedule (`mode`, `draft_len`, powers), its outcome (`missed`, `n_accepted`, ...),
 `estimate_*`, `predicted_*` and `measured_*` (the device's, same names as in the record), the emulator's
 annotations `ul_channel_*` / `dl_channel_*`, then the round's own fields as `round_*` (`round_time_base`,
 `round_predicted_goodput_tps`, `round_measured_round_s`, ...). Names and units: docs/system-model.md, section 10.
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from testbed.analysis.report import fallback_kinds, summarize_fallbacks
 from testbed.runtime.errors import TestbedError
 
 # Columns of the device entry, in this order after `round, device`: its own values, then these prefixes.
@@ -33,13 +36,16 @@ def _flat(prefix: str, obj: Any, out: dict) -> None:
         out[prefix] = obj
 
 
-def run_context(meta: dict) -> dict:
-    """The run's own columns of every row, from its meta.json: `policy`, `seed`, `tags` (';'-joined), and
-    for a campaign's run `sweep_key` and `sweep_value` (the point)."""
+def run_context(meta: dict, records: list[dict] | None = None) -> dict:
+    """The run's own columns of every row, from its meta.json: `policy`, `seed`, `tags` (';'-joined), `status`,
+    with its `records` `fallback_rounds` (as summary.json's `fallbacks.rounds`), and for a campaign's run
+    `sweep_key` and `sweep_value` (the point)."""
     prof = meta.get("profile") if isinstance(meta.get("profile"), dict) else {}
     tags = meta.get("tags") if isinstance(meta.get("tags"), list) else []
     out = {"policy": prof.get("policy"), "seed": prof.get("seed", meta.get("seed")),
-           "tags": ";".join(str(t) for t in tags)}
+           "tags": ";".join(str(t) for t in tags), "status": meta.get("status")}
+    if records is not None:
+        out["fallback_rounds"] = summarize_fallbacks(records)["rounds"]
     sweep = meta.get("sweep")
     if isinstance(sweep, dict):
         out["sweep_key"], out["sweep_value"] = sweep.get("key"), sweep.get("value")
@@ -60,6 +66,7 @@ def device_rows(records: list[dict], run: str | None = None, context: dict | Non
             row: dict = {"run": run} if run is not None else {}
             row.update(context or {})
             row["round"] = rec.get("round")
+            row["fallback"] = ";".join(fallback_kinds(rec))
             row["device"] = name
             _flat("", dev, row)
             row.update(round_part)
@@ -67,7 +74,8 @@ def device_rows(records: list[dict], run: str | None = None, context: dict | Non
     return rows
 
 
-_LEADING = ("run", "policy", "seed", "tags", "sweep_key", "sweep_value", "round", "device")
+_LEADING = ("run", "policy", "seed", "tags", "status", "fallback_rounds", "sweep_key", "sweep_value", "round",
+            "fallback", "device")
 
 
 def _rank(col: str) -> int:
@@ -77,8 +85,8 @@ def _rank(col: str) -> int:
         return 30 if col.startswith("round_predicted_") else 31 if col.startswith("round_measured_") else 29
     for g, prefix in enumerate(_DEVICE_PREFIXES):
         if col.startswith(prefix):
-            return 11 + g
-    return 10  # the device's own values: mode, draft_len, powers, missed, n_accepted, ...
+            return 21 + g
+    return 20  # the device's own values: mode, draft_len, powers, missed, n_accepted, ...
 
 
 def columns(rows: list[dict]) -> list[str]:

@@ -112,6 +112,17 @@ def prediction_basis(records: list[dict]) -> dict:
     return basis
 
 
+def fallback_kinds(rec: dict) -> list[str]:
+    """Why a round was not planned as the profile says (`summarize_fallbacks`' kinds); [] when it was."""
+    kinds = []
+    fb = rec.get("fallback")
+    if fb:
+        kinds.append(fb.get("kind") or ("infeasible" if fb.get("error") == "InfeasiblePlanError" else "policy_error"))
+    if rec.get("channel_fallback"):
+        kinds.append(rec["channel_fallback"].get("kind") or "channel_source_error")
+    return kinds
+
+
 def summarize_fallbacks(records: list[dict]) -> dict:
     """`rounds`: how many rounds fell back; `by_kind`: rounds per kind (`fallback.kind`: infeasible,
     plugin_error, policy_error; `channel_fallback`: channel_source_error; a record of an earlier release
@@ -120,19 +131,30 @@ def summarize_fallbacks(records: list[dict]) -> dict:
     policies: list[str] = []
     rounds = 0
     for rec in records:
-        kinds = []
+        kinds = fallback_kinds(rec)
         fb = rec.get("fallback")
-        if fb:
-            kinds.append(fb.get("kind") or ("infeasible" if fb.get("error") == "InfeasiblePlanError"
-                                            else "policy_error"))
-            if fb.get("policy") and fb["policy"] not in policies:
-                policies.append(fb["policy"])
-        if rec.get("channel_fallback"):
-            kinds.append(rec["channel_fallback"].get("kind") or "channel_source_error")
+        if fb and fb.get("policy") and fb["policy"] not in policies:
+            policies.append(fb["policy"])
         rounds += bool(kinds)
         for k in dict.fromkeys(kinds):
             by_kind[k] = by_kind.get(k, 0) + 1
     return {"rounds": rounds, "by_kind": by_kind, "policies": policies}
+
+
+def summarize_bench(records: list[dict]) -> dict:
+    """The straggler bench (`straggler_misses`): `events`, devices moved to the bench; `rejoined`, back from
+    it; `rounds`, rounds with a device on it; per device the same counts."""
+    out = {"events": 0, "rejoined": 0, "rounds": 0, "devices": {}}
+    for rec in records:
+        out["rounds"] += bool(rec.get("benched"))
+        for key, field in (("events", "benched"), ("rejoined", "rejoined")):
+            for name in (rec.get("bench_events") or {}).get(field, []):
+                out[key] += 1
+                dev = out["devices"].setdefault(name, {"events": 0, "rejoined": 0, "rounds": 0})
+                dev[key] += 1
+        for name in rec.get("benched") or []:
+            out["devices"].setdefault(name, {"events": 0, "rejoined": 0, "rounds": 0})["rounds"] += 1
+    return out
 
 
 def summarize(records: list[dict]) -> dict:
@@ -201,6 +223,8 @@ def summarize(records: list[dict]) -> dict:
         # Rounds not planned as the profile says (a fallback policy, or the static gains): per kind.
         "fallbacks": summarize_fallbacks(records),
     }
+    if any("benched" in r for r in records):  # `straggler_misses` on (edge_node/bench.py)
+        summary["bench"] = summarize_bench(records)
     summary["prediction_basis"] = basis
     return _without_basis(_with_asynchronous(summary, records))
 
@@ -359,6 +383,9 @@ def format_summary(summary: dict) -> str:
     lines.append("err: (measured - predicted) / predicted per sample; |diff|: |measured - predicted| in the unit "
                  "shown; names as in rounds.jsonl (docs/system-model.md, section 10)")
     lines += _energy_lines(summary.get("energy"))
+    from testbed.analysis.serving import format_lines as serving_lines  # runs that served requests
+
+    lines += serving_lines(summary.get("serving"))
     lines += _notes(summary)
     return "\n".join(lines)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import socket
 from dataclasses import asdict, dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.runtime.errors import TestbedError
+from testbed.runtime.processes import pid_alive
 
 RUN_FILES = ("meta.json", "rounds.jsonl", "summary.json")
 _STAMP = re.compile(r"^(\d{4})(\d{2})(\d{2})-(\d{2})(\d{2})(\d{2})")
@@ -99,14 +99,6 @@ def _alive(meta: dict) -> bool | None:
     return pid_alive(pid)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -29,6 +29,10 @@ def register(subparsers) -> None:
     add_profile_arguments(p)
     add_tag_arguments(p)
     p.add_argument("--no-plots", action="store_true", help="skip the per-run and comparison plots")
+    p.add_argument("--cold", action="store_true",
+                   help="start every process and load the target again for every run (default: warm trials: the "
+                        "first run's target, emulator and device processes serve the next runs, each with fresh "
+                        "state)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars or Python warnings; log warnings and errors only")
     from testbed.cli.report import add_figure_arguments, with_figures
@@ -42,6 +46,7 @@ def handle(args) -> int:
     from testbed.cli.run import load, print_config, run_meta_from_args
     from testbed.run.config_override import policy_list
     from testbed.run.launcher import require_edge_extra, resolve_pair
+    from testbed.run.warm import WarmPool
     from testbed.runtime.records import new_run_dir
 
     policies = policy_list(args.policies)
@@ -55,17 +60,24 @@ def handle(args) -> int:
     print(f"compare directory: {parent} ({len(policies)} policies x {args.repeats} repeat(s))")
     pair = resolve_pair(base, progress=not args.quiet)
     infos = []
-    # Repeat-major: the policies of one repeat run back to back, so a slow drift of the host (load, thermal)
-    # lands on every policy alike instead of on the last one.
-    for r in range(args.repeats):
-        for policy in policies:
-            profile = policy_profile(base, policy, r)
-            run_dir = parent / run_name(policy, r, args.repeats)
-            print(f"== {policy}" + (f", repeat {r + 1}/{args.repeats} (seed {profile.seed})" if args.repeats > 1
-                                    else "") + f": {run_dir}", flush=True)
-            meta = run_meta_from_args(args, compare={"dir": str(parent), "policy": policy, "repeat": r})
-            infos.append(run_policy(profile, run_dir, pair, progress=not args.quiet, plots=not args.no_plots,
-                                    title=f"{parent.name}/{run_dir.name}", meta=meta))
+    # Warm trials (`testbed.run.warm`): the target, the emulator and the device processes of the first run serve
+    # the next ones, each with fresh state; --cold starts everything for every run.
+    pool = None if args.cold else WarmPool(say=None if not args.quiet else lambda text: None)
+    try:
+        # Repeat-major: the policies of one repeat run back to back, so a slow drift of the host (load, thermal)
+        # lands on every policy alike instead of on the last one.
+        for r in range(args.repeats):
+            for policy in policies:
+                profile = policy_profile(base, policy, r)
+                run_dir = parent / run_name(policy, r, args.repeats)
+                print(f"== {policy}" + (f", repeat {r + 1}/{args.repeats} (seed {profile.seed})" if args.repeats > 1
+                                        else "") + f": {run_dir}", flush=True)
+                meta = run_meta_from_args(args, compare={"dir": str(parent), "policy": policy, "repeat": r})
+                infos.append(run_policy(profile, run_dir, pair, progress=not args.quiet, plots=not args.no_plots,
+                                        title=f"{parent.name}/{run_dir.name}", meta=meta, pool=pool))
+    finally:
+        if pool is not None:
+            pool.close()
     _, text, paths = write_comparison(parent, policies, args.repeats, infos, plots=not args.no_plots)
     print(text)
     if paths:

@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     add_tag_arguments(p)
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars or Python warnings; log warnings and errors only")
+    from testbed.cli.run import add_live_view_argument
+
+    add_live_view_argument(p)
     add_resume_argument(p, "edge")
     p.set_defaults(handler=handle)
 

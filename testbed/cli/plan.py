@@ -101,9 +101,10 @@ def format_plan(d: dict) -> str:
 
 
 def run(args) -> int:
-    from testbed.cli import CliError
+    from testbed.cli import CliError, warn
     from testbed.cli.run import print_config
     from testbed.cli.simulate import plan_inputs  # profile resolution, flag checks and warnings
+    from testbed.core import payload
     from testbed.core.optimizer import OptimizerError, plan
     from testbed.core.scenario import ScenarioError
     from testbed.run.planning import scaled_scenario
@@ -130,6 +131,8 @@ def run(args) -> int:
             scales = profile_scales(profile, [d.name for d in sc.devices])
             sc = scaled_scenario(sc, scales)
         result = plan(sc, load_policy(args.policy), fixed_length=fixed_length, seed=args.seed)
+        if payload.unmodelled_note(sc):
+            warn("plan", payload.unmodelled_note(sc))
     except (ScenarioError, OptimizerError) as exc:
         raise CliError(str(exc)) from None
     d = result.to_dict()

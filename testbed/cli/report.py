@@ -72,6 +72,8 @@ def handle(args) -> int:
 
     if args.overlay:
         return overlay(args)
+    if is_campaign(args):
+        return campaign_report(args)
     if wants_many(args):
         return report_many(args)
     run_dir = Path(args.run_dir)
@@ -85,6 +87,11 @@ def handle(args) -> int:
     from testbed.run.planning import expected_from_meta  # under a fading channel: the expected goodput
 
     summary = expected_from_meta(summary, meta, records)
+    from testbed.analysis import serving
+    from testbed.runtime.records import load_requests
+
+    if (requests := load_requests(run_dir)):  # a run that served requests: TTFT, ITL, ... percentiles
+        summary["serving"] = serving.summarize(requests)
     if args.json:
         print(json_text(summary, indent=2))
     else:
@@ -143,4 +150,42 @@ def overlay(args) -> int:
     paths = write_overlay_plots(runs, out, colors=colors if colors and len(runs) == len(dirs) else None)
     if not args.json:
         print_figures(paths)
+    return 0
+
+
+def is_campaign(args) -> bool:
+    from testbed.run.campaign import SPEC_FILE
+
+    return not args.more_runs and (Path(args.run_dir) / SPEC_FILE).is_file()
+
+
+def campaign_report(args) -> int:
+    """`report CAMPAIGN_DIR`: from the folder alone, results.csv and summary.txt rewritten from its runs, the
+    table per point, and the campaign's figures; --csv/--parquet: its runs' rounds, flat."""
+    from testbed.run.campaign import FINISHED, campaign_plots, format_orderings, run_status, write_results
+    from testbed.run.campaign_grow import load_campaign
+    from testbed.runtime.records import json_text
+
+    camp = load_campaign(args.run_dir)
+    finished = [r for r in camp.runs if run_status(r.run_dir) in FINISHED]
+    if args.csv is not None or args.parquet is not None:
+        from testbed.cli.runs import _export
+
+        return _export(args, [args.run_dir], [r.run_dir for r in finished])
+    rows = write_results(camp)
+    text = format_orderings(rows, camp.policies)
+    (camp.out / "summary.txt").write_text(text + "\n")
+    head = (f"{camp.out} (campaign: {camp.sweep.key}; {len(camp.sweep.values)} points x {len(camp.policies)} "
+            f"policies x {camp.repeats} repeat(s); {len(finished)} of {len(camp.runs)} runs finished)")
+    if args.json:
+        print(json_text({"campaign": str(camp.out), "sweep": camp.spec()["sweep"], "policies": camp.policies,
+                         "repeats": camp.repeats, "runs": len(camp.runs), "finished": len(finished),
+                         "results": rows}, indent=2))
+    else:
+        print(head)
+        print(text)
+    if not args.no_plots and rows:
+        paths = campaign_plots(camp, rows)
+        if not args.json:
+            print_figures(paths)
     return 0

@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars or Python warnings; log warnings and errors only")
+    from testbed.cli.run import add_live_view_argument
+
+    add_live_view_argument(p)
     p.set_defaults(handler=handle)
 
 

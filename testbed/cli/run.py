@@ -29,8 +29,26 @@ def register(subparsers) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars or Python warnings; log warnings and errors only")
+    add_live_view_argument(p)
     add_resume_argument(p, "run")
     p.set_defaults(handler=handle)
+
+
+def add_live_view_argument(p) -> None:
+    import argparse
+
+    p.add_argument("--live-view", action=argparse.BooleanOptionalAction, default=None,
+                   help="a live view of the run in the terminal (round, per-device mode, draft length and power, "
+                        "measured vs predicted, throughput, request latency percentiles) instead of the progress "
+                        "bar (default: on when stdout is a terminal and not --quiet)")
+
+
+def live_view_wanted(args) -> bool:
+    """--live-view / --no-live-view; by default on only at a terminal, never with --quiet."""
+    chosen = getattr(args, "live_view", None)
+    if chosen is not None:
+        return chosen
+    return sys.stdout.isatty() and not getattr(args, "quiet", False)
 
 
 def add_tag_arguments(p) -> None:
@@ -168,18 +186,69 @@ def check_exposed(profile, bind: str | None) -> None:
 
 def device_wait_message(profile, bind: str | None) -> str:
     """What a run without its own device processes waits for: the endpoint the devices connect to, their
-    names, the timeout, and the command to start each device with."""
+    names, the timeout, and for each device the complete command that starts it (`device_commands`)."""
     ep = profile.endpoints
     if profile.channel.mode == "passthrough":
         connect = ep.device_connect or bind
     else:
         connect = ep.device_connect or ep.channel_frontend
-    connect = connect or "(a private ipc:// endpoint of this run)"
     names = profile.device_names()
-    hint = " (replace 0.0.0.0 by this host's address)" if "0.0.0.0" in connect else ""
+    if not connect:
+        return (f"waiting up to {profile.wait_for_devices_s:g} s for {len(names)} device(s) {', '.join(names)} to "
+                "connect to a private ipc:// endpoint of this run")
+    dialed = reachable_endpoint(connect)
+    where = "" if dialed == connect else f" (from another host: {dialed})"
+    files = "the draft ONNX file" + (" and its key folder" if profile.keys_dir else "")
     return (f"waiting up to {profile.wait_for_devices_s:g} s for {len(names)} device(s) {', '.join(names)} to "
-            f"connect to {connect}{hint}; on each device: multispin device --connect {connect} --name "
-            f"{names[0] if names else 'NAME'} --draft draft.onnx")
+            f"connect to {connect}{where}; on each device host ({files} copied to the same path, or the path "
+            "changed):\n" + "\n".join("  " + c for c in device_commands(profile, dialed)))
+
+
+def device_commands(profile, connect: str) -> list[str]:
+    """`multispin device ...` for each device of `profile`, complete: its name, the drafter's ONNX file (an
+    absolute path on this host), its key folder when the profile has keys, its hardware and link probe."""
+    import shlex
+
+    draft = draft_onnx_path(profile)
+    out = []
+    for name in profile.device_names():
+        argv = ["multispin", "device", "--connect", connect, "--name", name, "--draft", draft]
+        if profile.keys_dir:
+            argv += ["--keys", str(Path(profile.keys_dir).expanduser().resolve() / "clients" / name)]
+        if profile.hardware.get(name):
+            argv += ["--hardware", str(profile.hardware[name])]
+        if profile.link_probe.get(name, "none") != "none":
+            argv += ["--link-probe", profile.link_probe[name], "--link-probe-period-s",
+                     f"{profile.link_probe_period_s:g}"]
+        out.append(shlex.join(argv))
+    return out
+
+
+def draft_onnx_path(profile) -> str:
+    """The drafter a device loads: the profile's (`model.draft_onnx`), or where the default pair keeps it (it is
+    unpacked or built there when the run starts, before any device can register)."""
+    if profile.model.pair == "local":
+        return str(Path(profile.model.draft_onnx).expanduser().resolve())
+    from model_pairs.model_pair import DEFAULT_CONFIG, PairPaths, pair_dir
+
+    return str(PairPaths.under(pair_dir(DEFAULT_CONFIG)).draft_onnx)
+
+
+def reachable_endpoint(endpoint: str) -> str:
+    """`endpoint` as another host dials it: a wildcard bind (0.0.0.0, *, ::) becomes this host's address."""
+    import socket
+
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host not in ("0.0.0.0", "*", "[::]", "::"):
+        return endpoint
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # a documentation address: picks the outgoing interface, sends nothing
+            address = s.getsockname()[0]
+    except OSError:  # no route beyond the loopback
+        address = "127.0.0.1"
+    return f"tcp://{address}:{port}"
 
 
 def execute(args, profile, run_dir: Path, **run_kw) -> int:
@@ -192,7 +261,13 @@ def execute(args, profile, run_dir: Path, **run_kw) -> int:
     from testbed.runtime.records import load_run
 
     try:
-        summary = run_live(profile, run_dir, progress=not args.quiet, **run_kw)
+        if live_view_wanted(args):  # the view replaces the progress bar
+            from testbed.analysis.live_view import LiveView
+
+            with LiveView(f"{profile.name} [{profile.policy}]", profile.rounds) as view:
+                summary = run_live(profile, run_dir, progress=False, on_round=view.on_round, **run_kw)
+        else:
+            summary = run_live(profile, run_dir, progress=not args.quiet, **run_kw)
     except PluginFailure as exc:
         print(f"multispin {args.command}: error: {exc}\nrun directory: {run_dir} (failed; the traceback is in "
               f"{Path(run_dir) / 'logs' / 'plugin_error.log'})", file=sys.stderr)
@@ -201,9 +276,10 @@ def execute(args, profile, run_dir: Path, **run_kw) -> int:
         print(f"\ninterrupted: the rounds so far are in {run_dir}; continue with: "
               f"multispin {args.command} --resume {run_dir}", file=sys.stderr)
         raise
-    except TestbedError:
-        print(f"run directory: {run_dir} (failed; see summary.json and logs/)", file=sys.stderr)
-        raise
+    except TestbedError as exc:  # one line says it all (`multispin run: error: ...`), the run directory in it
+        if str(run_dir) in str(exc):
+            raise
+        raise TestbedError(f"{exc} (run directory: {run_dir}; see summary.json and logs/)") from None
     print(report.format_summary(summary))
     if not getattr(args, "no_plots", False):
         _, records = load_run(run_dir)

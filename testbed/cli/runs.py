@@ -110,7 +110,7 @@ def _export(args, named: list[str], dirs: list[Path]) -> int:
     many = len(dirs) > 1
     for d in dirs:
         meta, records = load_run(d)
-        rows += device_rows(records, run=str(d) if many else None, context=run_context(meta))
+        rows += device_rows(records, run=str(d) if many else None, context=run_context(meta, records))
     if not rows:
         raise CliError(f"{', '.join(named)}: no complete round recorded; nothing to export")
     # One folder named (a run, or a compare directory): the file goes into it; several: PATH is needed.

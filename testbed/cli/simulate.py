@@ -13,6 +13,7 @@ from pathlib import Path
 
 from testbed import PROFILES_DIR
 from testbed.runtime.heap import keep_freed_memory
+from testbed.runtime.ray_instance import import_ray, ray_instance
 
 DEFAULT_PROFILE = PROFILES_DIR / "scenarios" / "default.yaml"
 # What a simulation writes into --out: with --force exactly these are replaced, so that no plot of an
@@ -107,7 +108,6 @@ def register(subparsers) -> None:
     p.set_defaults(handler=with_figures(run))
 
 
-RAY_INSTALL = "pip install multispin-testbed[cluster]"
 _TASK = None  # in a pool worker: the sweep's task function, set by _init_worker
 
 
@@ -176,69 +176,42 @@ def _apply(task, t: tuple) -> list:
     return task(*t)
 
 
-def import_ray():
-    """Ray, or a clear error naming the extra that installs it."""
-    from testbed.cli import CliError
-
-    try:
-        import ray
-    except ImportError:
-        raise CliError(f"--ray needs Ray, which is not installed: {RAY_INSTALL}") from None
-    return ray
-
-
 def ray_map(address: str, jobs: int, bar):
     """A `map_tasks` for `run_sweep` on Ray: one Ray task per point x drop, on a new local instance with
     `jobs` CPUs (address "") or on the cluster at `address`. An instance started here is shut down here."""
     def map_tasks(task, tasks: list) -> list:
-        import logging
-        import signal
-
         from testbed.cli import CliError
 
-        ray = import_ray()
-        own = not ray.is_initialized()
-        # ray.init installs its own SIGTERM handler in this process and leaves it after shutdown: a library
-        # call must give the caller's handlers back.
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        if own:
-            try:
-                if address:
-                    ray.init(address=address, logging_level=logging.WARNING)
-                else:
-                    ray.init(address="local", num_cpus=jobs, include_dashboard=False, logging_level=logging.WARNING)
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise CliError(f"--ray {address or '(local)'}: Ray did not start or connect: {exc}") from None
-        pending: list = []
-        try:
-            remote = ray.remote(_apply)
-            task_ref = ray.put(task)  # the base scenario travels once
-            refs = [remote.remote(task_ref, t) for t in tasks]
-            index = {ref: i for i, ref in enumerate(refs)}
-            results: list = [None] * len(tasks)
-            pending = refs
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-                for ref, rows in zip(ready, ray.get(ready)):
-                    results[index[ref]] = rows
-                    bar.update(len(rows))
-            return results
-        except ray.exceptions.RayTaskError as exc:
-            # The task's own error (a bad sweep point, an infeasible plan) as if it had run here.
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, ValueError):
-                raise cause from None
-            raise
-        except BaseException:
-            for ref in pending:
-                ray.cancel(ref)
-            raise
-        finally:
-            if own:
-                ray.shutdown()
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
+        with ray_instance(address, jobs, CliError) as ray:
+            return _ray_results(ray, task, tasks, bar)
     return map_tasks
+
+
+def _ray_results(ray, task, tasks: list, bar) -> list:
+    pending: list = []
+    try:
+        remote = ray.remote(_apply)
+        task_ref = ray.put(task)  # the base scenario travels once
+        refs = [remote.remote(task_ref, t) for t in tasks]
+        index = {ref: i for i, ref in enumerate(refs)}
+        results: list = [None] * len(tasks)
+        pending = refs
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            for ref, rows in zip(ready, ray.get(ready)):
+                results[index[ref]] = rows
+                bar.update(len(rows))
+        return results
+    except ray.exceptions.RayTaskError as exc:
+        # The task's own error (a bad sweep point, an infeasible plan) as if it had run here.
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, ValueError):
+            raise cause from None
+        raise
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref)
+        raise
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -263,6 +236,7 @@ def run(args) -> int:
 
     from testbed.analysis.sim_plots import plot_sweep
     from testbed.cli import CliError, warn
+    from testbed.core import payload
     from testbed.core.optimizer import OptimizerError
     from testbed.core.scenario import ScenarioError
     from testbed.core.simulate import (
@@ -284,7 +258,7 @@ def run(args) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise CliError(f"--jobs {args.jobs}: must be >= 1")
     if args.ray is not None:
-        import_ray()
+        import_ray(CliError)
         if args.ray and args.jobs is not None:
             warn("simulate", f"--jobs {args.jobs} is ignored with --ray {args.ray}: the cluster's CPUs decide")
     jobs = args.jobs or default_jobs()
@@ -293,6 +267,7 @@ def run(args) -> int:
     try:
         src = resolve_plan_source(args.profile, parse_set(args.set), DEFAULT_PROFILE)
         base, note = src.scenario, src.note
+        base, args.compute_scale = profile_scaled(src.profile, base)
         key, values = parse_sweep(args.sweep)
         for value in values:  # a bad point fails here, before --out is touched or a worker started
             point_scenario(base, key, value, 0, args.seed)
@@ -300,6 +275,8 @@ def run(args) -> int:
         raise CliError(str(exc)) from None
     if note:
         print(note, file=sys.stderr)
+    if payload.unmodelled_note(base):
+        warn("simulate", payload.unmodelled_note(base))
     channel = channel_gains(args) if args.channel else None
     lmax = min(values) if key == "max_draft_len" else base.max_draft_len
     for msg in fixed_length_notes(args.fixed_length, policies, int(lmax)):
@@ -327,6 +304,22 @@ def run(args) -> int:
     print(f"wrote {out / 'results.csv'} ({len(rows)} rows), " + ", ".join(str(p) for p in paths)
           + f", {out / 'meta.json'}")
     return 0
+
+
+def profile_scaled(profile, base) -> tuple:
+    """(scenario, scales): a run profile's devices with their prior drafting time x their hardware profile's
+    `compute_scale`, as `multispin plan` and a live run start from (`testbed.run.planning.scaled_scenario`);
+    a scenario file, or devices drawn per drop, as they are. scales: device -> factor, those != 1 only."""
+    from testbed.cli import CliError
+    from testbed.run.planning import hardware_scales, scaled_scenario
+
+    if profile is None:
+        return base, {}
+    try:
+        scales = hardware_scales(profile, [d.name for d in base.devices])
+    except ValueError as exc:
+        raise CliError(f"hardware: {exc}") from None
+    return scaled_scenario(base, scales), {n: x for n, x in scales.items() if x != 1.0}
 
 
 def channel_gains(args):
@@ -381,6 +374,7 @@ def _write_meta(path: Path, args, base, key: str, values: list, policies: list[s
             "fixed_length": args.fixed_length or 4,
             "monte_carlo_rounds": args.rounds if args.monte_carlo else 0, "rows": rows,
             "channel": (getattr(args, "channel_state", None) if args.channel else None),
+            "compute_scale": getattr(args, "compute_scale", {}),  # a run profile's hardware, in `scenario`
             # how it ran (the results do not depend on it)
             "execution": ({"ray": args.ray or "local", **({} if args.ray else {"num_cpus": jobs})}
                           if args.ray is not None else {"jobs": jobs}),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from testbed.core import model, payload, radio
+from testbed.core import model, payload, radio, uplink
 from testbed.core.policy import (  # OptimizerError lives there: PolicyError is one
     Decision,
     OptimizerError,
@@ -56,7 +56,7 @@ POLICIES = {
                                "candidate with its min-max UL band split",
     "exhaustive": "all 2^N mode vectors x all L_max^N lengths (tiny N only): the optimality check",
 }
-_HET_START_MAX_N = 64  # proposed on a shared uplink starts from multispin-heterogeneous up to this many devices
+_POLISH_MAX_N = 64  # proposed on a shared uplink polishes its best candidate by greedy up to this many devices
 EXHAUSTIVE_LIMIT = 2_000_000
 _REL_GAIN = 1e-12  # a greedy step must improve goodput by more than this (relative) to be taken
 
@@ -98,7 +98,7 @@ class Scorer:
             self.tdma_rate = radio.shannon_rate_bps(sc.downlink_bandwidth_hz, sc.downlink_power_w,
                                                     tb.dl_gains, self.n0)
         self.evaluations = 0
-        self.greedy_fixed: dict[bytes, np.ndarray] = {}  # `fixed_greedy`: greedy with fill per fixed mode vector
+        self.greedy_fixed, self.sweep_orders = {}, {}  # per mode vector (`fixed_greedy`), pattern (`_sweep_order`)
         self.sync = sc.rounds == "synchronous"
         self.t_over = sc.round_overhead_s
         # flat tables: entry j * lmax + (L - 1)
@@ -167,6 +167,26 @@ class Scorer:
         row (min-max, `model.shared_ul_split`) whatever bands the tables hold. Returns (G, T, bands or None)."""
         if not self.shared:
             return (*self.fixed(L, ul, equal_power=equal_power), None)
+        up, bands = self.shared_up(L, ul)
+        return (*self.fixed(L, ul, equal_power=equal_power, up=up), bands)
+
+    def shared_inputs(self, idx, ul):
+        """The split's inputs (bits S_k, time before the upload c_k) of flat table entries idx in modes ul: a
+        device with a fixed UL rate has its air time in c_k and S_k = 0 (as `model.shared_ul_split`)."""
+        tb = self.tb
+        bits = np.where(ul, tb.bits_ul.ravel()[idx], tb.bits_dl.ravel()[idx])
+        before = tb.draft_s.ravel()[idx]
+        fixed = tb.fixed_ul[np.asarray(idx) // self.lmax]
+        if np.isfinite(fixed).any():
+            is_fixed = np.isfinite(fixed)
+            with np.errstate(invalid="ignore"):
+                before = before + np.where(is_fixed, bits / np.where(is_fixed, fixed, 1.0), 0.0)
+            bits = np.where(is_fixed, 0.0, bits)
+        return bits, before
+
+    def shared_up(self, L, ul):
+        """Each device's uplink phase (drafting + first upload) under the min-max split of each row, and the
+        bands: ((C, N), (C, N))."""
         L = np.asarray(L)
         ul = np.asarray(ul, bool)
         tb = self.tb
@@ -178,7 +198,7 @@ class Scorer:
         with np.errstate(divide="ignore", invalid="ignore"):
             rate = np.where(fixed, tb.fixed_ul, radio.shannon_rate_bps(bands, tb.snr_hz * self.n0, 1.0, self.n0))
             up = draft + bits / rate
-        return (*self.fixed(L, ul, equal_power=equal_power, up=up), bands)
+        return up, bands
 
     def fixed(self, L, ul, equal_power: bool = False, floor: float | None = None, up=None):
         """Goodput for given modes ul (C, N) bool; returns (G, T). `up`: each device's uplink phase (C, N)
@@ -404,10 +424,10 @@ class Scorer:
         m1, m2 = cls._top2(a[::-1])
         return m1[::-1], m2[::-1]
 
-    def _verify_raised(self, L0, ks):
-        """model.verify_time of L0 + e_k for each k, from its sum and maximum (no (C, N) array)."""
-        positions = float((L0 + 1).sum() + 1)
-        longest = np.maximum(L0.max(), L0[ks] + 1)
+    def _verify_raised(self, L0, ks, steps=1):
+        """model.verify_time of L0 + steps e_k for each k, from its sum and maximum (no (C, N) array)."""
+        positions = (L0 + 1).sum() + np.asarray(steps, float)
+        longest = np.maximum(L0.max(), L0[ks] + steps)
         return np.broadcast_to(model.verify_time_of(self.sc, positions, longest, self.n), ks.shape)
 
     def _base_row(self, L0):
@@ -550,8 +570,9 @@ class Scorer:
         ok = keep(rows, Ks)
         return rows[ok], Ks[ok]
 
-    def prefix_neighbors(self, L0, ks, Lc=None):
-        """`prefix(Lc)` for the single increments Lc[c] = L0 + e_{ks[c]}, without sorting or scanning them.
+    def prefix_neighbors(self, L0, ks, Lc=None, steps=1, compact: bool = False):
+        """`prefix(Lc)` for the single increments Lc[c] = L0 + e_{ks[c]}, without sorting or scanning them
+        (steps (C,): L0 + steps[c] e_{ks[c]}, the same way: any raise of L_k only raises k's key).
 
         Raising L_k only raises device k's key, so its sorted row is the base row with k moved from
         position i to a position j >= i. For a prefix size K the UL set is then the base prefix of K (case
@@ -561,20 +582,21 @@ class Scorer:
         bound of the candidate's round time there (phases only grow with L, and T_ver grows by a known
         amount); after an upper bound from a few guesses (K near the base's best, and near i and j), only
         the K whose lower bound does not exceed it are evaluated: usually one to three per candidate.
-        Synchronous rounds only; otherwise (or if a key could fall with L) this is `prefix`."""
+        Synchronous rounds only; otherwise (or if a key could fall with L) this is `prefix`. compact: the modes
+        as `_PrefixModes` (no (C, N) array) where they come from the base row."""
         L0 = np.asarray(L0)
         ks = np.asarray(ks)
         if Lc is None:
             Lc = np.repeat(L0[None], ks.size, axis=0)
-            Lc[np.arange(ks.size), ks] += 1
+            Lc[np.arange(ks.size), ks] += steps
         if not self.incremental:
             return (*self.prefix(Lc), None)
         n, C = self.n, ks.size
         self.evaluations += C
         b = self._base_row(L0)
-        new = ks * self.lmax + L0[ks]  # flat index of the raised entry
+        new = ks * self.lmax + L0[ks] + (np.asarray(steps) - 1)  # flat index of the raised entry
         cand = dict(k=ks, new=new, i=b["pos0"][ks], j=np.searchsorted(b["r0"], self.rank[new]) - 1,
-                    t_ver=self._verify_raised(L0, ks))
+                    t_ver=self._verify_raised(L0, ks, steps))
         # an upper bound of each candidate's best round time from a few guesses of K
         kb = int(np.argmin(b["TBhi"]))
         guesses = np.clip(np.stack([np.full(C, kb - 1), np.full(C, kb), np.full(C, kb + 1), cand["i"],
@@ -632,28 +654,23 @@ class Scorer:
                 return t
             if need.size:
                 _best_first(rows[need], t_lo, bound, exact)
-        # each row's smallest T, the smallest K among equals (what argmax over K gives)
-        order = np.lexsort((Ks, T, rows))
-        first = np.ones(order.size, bool)
-        first[1:] = rows[order][1:] != rows[order][:-1]
-        pick = order[first]
+        pick = _first_min_per_row(rows, T)  # each row's smallest T, the smallest K among equals
         if pick.size != C:  # cannot happen with valid bounds; score in full rather than guess
             return (*self.prefix(Lc), None)
         best, T_best = Ks[pick], T[pick]
-        G = self._raised_tokens(L0, new) / T_best
+        G = self._raised_tokens(L0, new, steps) / T_best
         # UL: sorted position < best. Only two devices of a row sit elsewhere than in the base row: k (at j),
         # and, when k moved past best, the base's device at position best (one down, into the UL set).
-        ul = b["pos0"][None, :] < best[:, None]
-        c = np.arange(C)
-        ul[c, ks] = j < best
-        down = np.flatnonzero((i < best) & (best <= j))
-        ul[down, self.by_rank["dev"][b["r0"][best[down]]]] = True
-        return G, T_best, ul, parts["up"][pick]
+        moved = (i < best) & (best <= j)
+        up = np.where(moved, self.by_rank["dev"][b["r0"][np.minimum(best, n - 1)]], -1)
+        ul = _PrefixModes(b["pos0"], best, ks, j < best, up)
+        return G, T_best, (ul if compact else ul.rows(slice(None))), parts["up"][pick]
 
-    def _raised_tokens(self, L0, new):
-        """Expected tokens of L0 + e_k for each raised flat entry `new` (its length's entry; one below is L0's)."""
+    def _raised_tokens(self, L0, new, steps=1):
+        """Expected tokens of L0 + steps e_k for each raised flat entry `new` (its length's entry; `steps` below
+        is L0's)."""
         E = self.flat["E"]
-        return E[self.offset[0] + L0 - 1].sum() + (E[new] - E[new - 1])
+        return E[self.offset[0] + L0 - 1].sum() + (E[new] - E[new - steps])
 
     def fixed_neighbors(self, L0, ks, Lc, ul, equal_power: bool = False, exact: bool = True):
         """`fixed(Lc, ul)` for the single increments Lc[c] = L0 + e_{ks[c]} in fixed modes ul (N,): the
@@ -747,6 +764,18 @@ class Scorer:
                     down[solve] = 1.0 / (w * x)
         T = up + t_ver + np.maximum(post_ul, down) + self.t_over
         return E / T, T, np.broadcast_to(ul, Lc.shape), up
+
+
+def _first_min_per_row(rows, T):
+    """For pairs sorted by (row, K): the index of each row's smallest T, the first (smallest K) among equals and
+    NaN last, as a lexsort by (row, T, K) would pick, without sorting. Rows in increasing order."""
+    starts = np.flatnonzero(np.concatenate([[True], rows[1:] != rows[:-1]]))
+    seg = np.repeat(np.arange(starts.size), np.diff(np.append(starts, rows.size)))
+    t_min = np.fmin.reduceat(T, starts)[seg]  # NaN only where the whole row is NaN: then its first pair
+    hit = np.flatnonzero((T == t_min) | np.isnan(t_min))
+    first = np.ones(hit.size, bool)
+    first[1:] = seg[hit][1:] != seg[hit][:-1]
+    return hit[first]
 
 
 def _best_first(rows, T_lo, bound, exact, rounds: int = 3):
@@ -844,6 +873,349 @@ def _score_bounded(scorer: Scorer, score, Lf, Lc, T_c, floor: float):
     return G
 
 
+_SPARSE_FILL_MIN_N = 256  # from this many devices the greedy bounds its fill rows without building them
+
+
+class _Raised:
+    """The single increments L0 + steps e_k (k in ks) without building them all: `rows(i)` builds rows on demand
+    (an index: one row; an index array or slice: rows), np.asarray(...) all of them."""
+
+    def __init__(self, L0, ks, steps=1):
+        self.L0, self.ks, self.steps = np.asarray(L0), np.asarray(ks), np.broadcast_to(steps, np.shape(ks))
+        self.shape = (self.ks.size, self.L0.size)
+
+    def rows(self, i):
+        """Row i (an integer) or the rows i (an index array, mask or slice)."""
+        if np.ndim(i) == 0 and not isinstance(i, slice):
+            row = self.L0.copy()
+            row[self.ks[i]] += self.steps[i]
+            return row
+        idx = np.arange(self.ks.size)[i]
+        out = np.repeat(self.L0[None], idx.size, axis=0)
+        out[np.arange(idx.size), self.ks[idx]] += self.steps[idx]
+        return out
+
+    __getitem__ = rows
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.rows(slice(None))
+        return out if dtype is None else out.astype(dtype)
+
+
+class _PrefixModes:
+    """The modes of `Scorer.prefix_neighbors`' rows without their (C, N) array (`compact=True`): row c is UL where
+    the base row's sorted position pos0 < best[c], except device ks[c] (UL iff k_ul[c]) and, where up[c] >= 0,
+    device up[c] (UL: the base's device at position best[c], moved one down when k moved past it). A greedy step
+    over thousands of devices then builds no (C, N) array (`_mode_pattern`); np.asarray(...) gives them all."""
+
+    def __init__(self, pos0, best, ks, k_ul, up):
+        self.pos0, self.best, self.ks, self.k_ul, self.up = pos0, best, ks, k_ul, up
+        self.shape = (best.size, pos0.size)
+
+    def rows(self, i):
+        """The dense rows i (an index array, mask or slice)."""
+        idx = np.arange(self.best.size)[i]
+        out = self.pos0[None, :] < self.best[idx][:, None]
+        q = np.arange(idx.size)
+        out[q, self.ks[idx]] = self.k_ul[idx]
+        moved = self.up[idx] >= 0
+        out[q[moved], self.up[idx][moved]] = True
+        return out
+
+    __getitem__ = rows
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.rows(slice(None))
+        return out if dtype is None else out.astype(dtype)
+
+    def at(self, r, j):
+        """The modes of the (row, device) pairs (r, j)."""
+        val = self.pos0[j] < self.best[r]
+        val = np.where(j == self.ks[r], self.k_ul[r], val)
+        return val | (j == self.up[r])
+
+    def pattern(self):
+        """Each device's most common mode over the rows (UL on a tie), as `2 * rows.sum(0) >= C`."""
+        C = self.best.size
+        count = C - np.searchsorted(np.sort(self.best), self.pos0, side="right")  # rows with pos0 < best
+        np.add.at(count, self.ks, self.k_ul.astype(int) - (self.pos0[self.ks] < self.best))
+        np.add.at(count, self.up[self.up >= 0], 1)  # never k itself, whose position is below best there
+        return 2 * count >= self.best.size
+
+    def differ(self, pattern, limit: int):
+        """The (row, device) pairs whose mode differs from `pattern`, sorted by row (as np.nonzero of
+        rows != pattern); None where the base rows differ in more than `limit` (the caller then builds the rows)."""
+        by_pos = np.empty_like(self.pos0)
+        by_pos[self.pos0] = np.arange(self.pos0.size)  # device at each sorted position
+        pat = pattern[by_pos]
+        f_pos, t_pos = np.flatnonzero(~pat), np.flatnonzero(pat)
+        nf = np.searchsorted(f_pos, self.best)  # DL in the pattern, UL in the base row: positions < best
+        st = np.searchsorted(t_pos, self.best)  # UL in the pattern, DL in the base row: positions >= best
+        cnt = nf + (t_pos.size - st)
+        if cnt.sum() > limit:
+            return None
+        r = np.repeat(np.arange(self.best.size), cnt)
+        k = np.arange(r.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)  # index within the row's pairs
+        nf_r = nf[r]
+        f_pos, t_pos = np.append(f_pos, 0), np.append(t_pos, 0)  # padded: either may be empty
+        pos = np.where(k < nf_r, f_pos[np.minimum(k, f_pos.size - 1)],
+                       t_pos[np.clip(st[r] + k - nf_r, 0, t_pos.size - 1)])
+        rows = np.arange(self.best.size)
+        moved = self.up >= 0
+        r = np.concatenate([r, rows, rows[moved]])
+        j = np.concatenate([by_pos[pos], self.ks, self.up[moved]])
+        keys = np.unique(r * self.pos0.size + j)
+        r, j = keys // self.pos0.size, keys % self.pos0.size
+        keep = self.at(r, j) != pattern[j]
+        return r[keep], j[keep]
+
+
+def _mode_pattern(ul, limit: int):
+    """Each device's most common mode over the rows of ul ((C, N) bool, a broadcast row or `_PrefixModes`), the
+    (row, device) pairs that differ from it, and their modes: (pattern, r, j, ul[r, j])."""
+    none = np.empty(0, int)
+    if isinstance(ul, _PrefixModes):
+        pattern = ul.pattern()
+        pairs = ul.differ(pattern, limit)
+        if pairs is not None:
+            return pattern, *pairs, ul.at(*pairs)
+        ul = np.asarray(ul)
+    elif ul.strides[0] == 0:  # fixed modes: one row broadcast to all
+        return ul[0], none, none, np.empty(0, bool)
+    else:
+        pattern = 2 * ul.sum(axis=0) >= ul.shape[0]
+    r, j = np.nonzero(ul != pattern[None, :])
+    return pattern, r, j, ul[r, j]
+
+
+def _level_sweep(L, tab, thr, tables, tab_order=None):
+    """For every threshold in thr, with lev_j = #{l : tab[j, l-1] <= thr} (the fill level) and f_j = max(L_j,
+    lev_j): sum_j V_j(f_j) for each table V in `tables` ((N, L_max), column l-1), the count sum_j (f_j - L_j),
+    and the longest f_j above L with its device (0 and -1 where none). One sorted sweep of the events "device j
+    reaches length l > L_j at tab[j, l-1]" and a search per threshold. tab_order: the stable argsort of
+    tab.ravel() (`_sweep_order`: kept between greedy steps, no sort per step); its entries above L are in the
+    order a stable sort of those alone gives (ties by flat index either way)."""
+    n, lmax = tab.shape
+    lens = np.broadcast_to(np.arange(1, lmax + 1), tab.shape)
+    above = lens > L[:, None]
+    if tab_order is None:
+        tab_order = np.argsort(tab.ravel(), kind="stable")
+    sel = tab_order[above.ravel()[tab_order]]  # flat entries above L, in time order
+    times = tab.ravel()[sel]
+    at = np.searchsorted(times, thr, side="right")
+    sums = []
+    for V in tables:
+        gain = np.diff(V, axis=1, prepend=0.0).ravel()[sel]  # V(l) - V(l - 1): the event of length l
+        sums.append(V[np.arange(n), L - 1].sum() + np.concatenate([[0.0], np.cumsum(gain)])[at])
+    level, dev = sel % lmax + 1, sel // lmax
+    top = np.zeros(times.size + 1, int)
+    top_dev = np.full(at.shape, -1)
+    if times.size:
+        top[1:] = np.maximum.accumulate(level)
+        # the device of the running maximum: the last event that set it (levels of one device only grow), at
+        # each threshold's count of events alone
+        sets = np.flatnonzero(level == top[1:])
+        some = at > 0
+        top_dev[some] = dev[sets[np.searchsorted(sets, at[some] - 1, side="right") - 1]]
+    return sums, at, top[at], top_dev
+
+
+def _sweep_order(scorer: Scorer, pattern, tab):
+    """The stable argsort of tab.ravel() for `_level_sweep`, kept per mode pattern on the scorer (the greedy's
+    pattern rarely changes between steps, and the tables never do): a few patterns at most."""
+    cache = scorer.sweep_orders
+    key = pattern.tobytes()
+    if key not in cache:
+        if len(cache) >= 4:
+            cache.pop(next(iter(cache)))
+        cache[key] = np.argsort(tab.ravel(), kind="stable")
+    return cache[key]
+
+
+def _dl_phase_lower(scorer: Scorer, ul, weighted_bits):
+    """A lower bound of the optimal-power FDMA DL phase of the DL set ~ul whose sum_j S_j / g_j is weighted_bits
+    (per row): channel inversion with the 1/g-weighted mean payload (Jensen; as `Scorer.fixed` with a floor)."""
+    wts = np.where(ul, 0.0, scorer.inv_g)
+    wsum = wts.sum()
+    w = float(scorer._bandwidth(int((~ul).sum())))
+    R = scorer.sc.downlink_power_w / (scorer.n0 * w)
+    return weighted_bits / wsum / (w * log1p_ratio(R, wsum) / LN2)
+
+
+def _bound_tables(scorer: Scorer, score) -> list:
+    """Tables (N, L_max) whose sums over a fill row bound its round time beyond T_ver (`_round_time_lower`): for
+    fixed modes with optimal DL power the DL-mode devices' S_j / g_j; on a shared uplink the band demands and
+    slopes at `_SharedBase`'s deadlines and where a demand is infinite (as 2 B: no band is enough); else none."""
+    sc, tb, n = scorer.sc, scorer.tb, scorer.n
+    if isinstance(score, FixedModes) and not score.equal_power and sc.dl_access != "tdma" and (~score.ul).any():
+        return [np.where(score.ul, 0.0, scorer.inv_g)[:, None] * tb.dl_bits]
+    base = score.base if isinstance(score, SharedModes) else None
+    if base is None:
+        return []
+    cap = 2.0 * sc.ul_total_bandwidth_hz()
+    return ([np.minimum(t, cap).reshape(n, scorer.lmax) for t in base.demand]
+            + [t.reshape(n, scorer.lmax) for t in base.slope]
+            + [np.isinf(t).astype(float).reshape(n, scorer.lmax) for t in base.demand])
+
+
+def _round_time_lower(scorer: Scorer, score, sums, bottleneck, t_ver):
+    """A lower bound of each fill row's round time from the sums of `_bound_tables` over it: fixed modes, the
+    bottleneck (its uplink phase) + T_ver + channel inversion with the mean DL payload (`_dl_phase_lower`) + t_0;
+    a shared uplink, the split's uplink phase from below (`_SharedBase`) + T_ver + the base's later phases + t_0."""
+    if isinstance(score, FixedModes):
+        return (bottleneck + t_ver + _dl_phase_lower(scorer, score.ul, sums[0]) + scorer.t_over) / (1 + REL_TOL)
+    base = score.base
+    m = base.U.size
+    U = base._uplink_lower(sums[:m] - scorer.sc.ul_total_bandwidth_hz(), sums[m:2 * m], sums[2 * m:] > 0.5)
+    return (U + t_ver + base.after + scorer.t_over) * (1 - REL_TOL)
+
+
+def _fill_rows_sparse(scorer: Scorer, score, neighbors, L, ks, ul, bottleneck, T, floor: float):
+    """The fill rows of the single increments L + e_k (k in ks) as the dense path scores them (`greedy`:
+    Lf = max(Lc, `_fill_levels`), changed rows only, `_score_bounded`), without building every row: (Lf, G) of
+    the first best row in candidate order, what argmax over all of them picks (every row left unscored provably
+    stays below the step's best), or empty arrays.
+
+    `_score_bounded`'s upper bound of a row's goodput, E(Lf) / (T_c + T_ver(Lf) - T_ver(Lc)), needs only sums
+    and maxima over devices. With every device in its most common mode over the rows (the pattern) they come from
+    one sorted sweep (`_level_sweep`) and a search per row; each row then corrects the few devices where it
+    differs from the pattern (device k, raised, and the devices whose mode is not the pattern's: usually one)."""
+    sc, tb = scorer.sc, scorer.tb
+    n, C = scorer.n, ks.size
+    thr = bottleneck * (1 + 1e-12)  # as `_fill_levels`
+    # the (row, device) pairs that differ from the pattern's sweep, and their modes
+    pattern, r, j, ul_rj = _mode_pattern(ul, 8 * (C + n))
+    tab_pat = np.where(pattern[:, None], tb.up_ul, tb.up_dl)
+    extra = _bound_tables(scorer, score)
+    (tokens, *weighted), count, top, top_dev = _level_sweep(L, tab_pat, thr, [tb.expected_tokens] + extra,
+                                                            _sweep_order(scorer, pattern, tab_pat))
+    raised = count.copy()  # sum_j (f_j - L_j) over the pattern's levels
+    keys, first = np.unique(np.concatenate([r * n + j, np.arange(C) * n + ks]), return_index=True)
+    ul_rj = np.concatenate([ul_rj, pattern[ks]])[first]  # device k in row c: its pattern mode if not in (r, j)
+    r, j = keys // n, keys % n
+    L_row = L[j] + (j == ks[r])
+    tab_act = np.where(ul_rj[:, None], tb.up_ul[j], tb.up_dl[j])
+    lev_act = (tab_act <= thr[r][:, None]).sum(-1)
+    lev_pat = (tab_pat[j] <= thr[r][:, None]).sum(-1)
+    f_act, f_pat = np.maximum(L_row, lev_act), np.maximum(L[j], lev_pat)
+    E = tb.expected_tokens
+    tokens = tokens + np.bincount(r, E[j, f_act - 1] - E[j, f_pat - 1], minlength=C)
+    count = count + np.bincount(r, np.maximum(lev_act - L_row, 0) - np.maximum(lev_pat - L[j], 0), minlength=C)
+    changed = np.flatnonzero(count > 0.5)  # some device's level above its length in Lc
+    if sc.verify_batch == "ragged":
+        pos = L.sum() + n + raised + np.bincount(r, f_act - f_pat, minlength=C)  # (k's +1 is in f_act)
+        t_f = model.verify_time_of(sc, pos, None, n)
+    else:  # the sweep's longest counts only where its device is not a corrected one (a lower bound elsewhere)
+        longest = np.full(C, L.max())
+        np.maximum.at(longest, r, f_act)
+        top_ok = ~np.isin(np.arange(C) * n + top_dev, keys) & (top_dev >= 0)
+        longest = np.maximum(longest, np.where(top_ok, top, 0))
+        t_f = model.verify_time_of(sc, None, longest, n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = tokens / (T + t_f - scorer._verify_raised(L, ks)) * (1 + REL_TOL)  # the margin covers rounding
+        if extra:
+            sums = np.array([w + np.bincount(r, t[j, f_act - 1] - t[j, f_pat - 1], minlength=C)
+                             for w, t in zip(weighted, extra)])
+            bound = np.minimum(bound, tokens / _round_time_lower(scorer, score, sums, bottleneck, t_f))
+    bound = np.where(np.isnan(bound), np.inf, bound)
+    pool = changed[bound[changed] >= floor]
+    if pool.size == 0:
+        return np.empty((0, n), int), np.empty(0)
+    if np.unique(raised[pool]).size <= _FILL_GROUPS_MAX:
+        return _score_fill_groups(scorer, score, neighbors, L, ks, pool, thr, raised, tab_pat,
+                                  (r, j, f_act - f_pat))
+    return _score_fill_chunks(scorer, score, L, ks, ul, bottleneck, changed, bound, floor)
+
+
+_FILL_GROUPS_MAX = 64  # at most this many distinct fill patterns: fill rows scored as increments of one row each
+
+
+def _score_fill_chunks(scorer: Scorer, score, L, ks, ul, bottleneck, changed, bound, floor: float):
+    """Score the fill rows `changed` as `_score_bounded` does, highest bound first in growing chunks, each chunk
+    built only when reached: (Lf, G) of the first best row (`_first_best`)."""
+    n, C = scorer.n, ks.size
+    G = np.full(C, -np.inf)
+    scored = {}
+    order = changed[np.argsort(-bound[changed], kind="stable")]
+    start, size = 0, 4
+    while start < order.size:
+        chunk = order[start:start + size]
+        chunk = chunk[bound[chunk] >= floor]
+        if chunk.size == 0:
+            break  # sorted: no later row can reach the floor either
+        Lc = np.repeat(L[None], chunk.size, axis=0)
+        Lc[np.arange(chunk.size), ks[chunk]] += 1
+        Lf = np.maximum(Lc, _fill_levels(scorer, np.asarray(ul[chunk]), bottleneck[chunk]))
+        G[chunk] = score(Lf, floor=floor)[0]  # rows provably below the floor come back as -inf
+        scored.update(zip(chunk.tolist(), Lf))
+        floor = max(floor, float(G[chunk].max()))
+        start, size = start + size, size * 4
+    return _first_best(scored, G, n)
+
+
+def _score_fill_groups(scorer: Scorer, score, neighbors, L, ks, pool, thr, group, tab_pat, diffs):
+    """Score the fill rows `pool` in groups of the same pattern levels (`group`: the count of the sweep's events
+    under each row's threshold, thr). Within a group every row is M = max(L, the pattern levels) but for the few
+    devices `diffs` ((row, device, Lf - M) for the pairs `_fill_rows_sparse` corrects):
+    a row equal to M is scored once, a row M + e_j among M's single increments (`neighbors`: exact for every row
+    that can be the best), any other row in full. Returns (Lf, G) in candidate order."""
+    n = scorer.n
+    r, j, d = diffs
+    nz = d != 0
+    r, j, d = r[nz], j[nz], d[nz]
+    in_pool = np.zeros(ks.size, bool)
+    in_pool[pool] = True
+    keep = in_pool[r]
+    r, j, d = r[keep], j[keep], d[keep]
+    nnz = np.bincount(r, minlength=ks.size)
+    up = d == 1 if neighbors != scorer.prefix_neighbors else d > 0  # only the prefix scorer takes steps > 1
+    one_up = np.zeros(ks.size, bool)
+    one_up[r[up]] = True
+    one_up &= nnz == 1
+    inc_dev = np.full(ks.size, -1)
+    inc_dev[r[up]] = j[up]
+    inc_step = np.ones(ks.size, int)
+    inc_step[r[up]] = d[up]
+    G = np.full(ks.size, -np.inf)
+    Lf_of = {}
+    for v in np.unique(group[pool]):
+        rows = pool[group[pool] == v]
+        M = np.maximum(L, (tab_pat <= thr[rows[0]]).sum(-1))
+        same = rows[nnz[rows] == 0]
+        if same.size:
+            G[same] = score(M[None])[0][0]
+            Lf_of.update((c, M) for c in same.tolist())
+        inc = rows[one_up[rows]]
+        if inc.size:
+            moves, where = np.unique(inc_dev[inc] * (scorer.lmax + 1) + inc_step[inc], return_inverse=True)
+            devs, steps = moves // (scorer.lmax + 1), moves % (scorer.lmax + 1)
+            raised = _Raised(M, devs, steps)
+            if neighbors != scorer.prefix_neighbors:
+                G[inc] = neighbors(M, devs, raised)[0][where]
+            else:  # G only: the modes stay compact
+                G[inc] = scorer.prefix_neighbors(M, devs, raised, steps=steps, compact=True)[0][where]
+            Lf_of.update((c, (raised, w)) for c, w in zip(inc.tolist(), where.tolist()))  # built if chosen
+        other = rows[(nnz[rows] > 0) & ~one_up[rows]]
+        if other.size:
+            Lo = np.repeat(M[None], other.size, axis=0)
+            sel = np.isin(r, other)
+            Lo[np.searchsorted(other, r[sel]), j[sel]] += d[sel]
+            G[other] = score(Lo)[0]
+            Lf_of.update(zip(other.tolist(), Lo))
+    return _first_best(Lf_of, G, n)
+
+
+def _first_best(rows: dict, G, n: int):
+    """Of the scored fill rows (candidate index -> Lf, or (_Raised, its row)), the first best in candidate order
+    (what argmax over all of them picks), as (Lf (1, N), G (1,)); none: empty arrays."""
+    if not rows:
+        return np.empty((0, n), int), np.empty(0)
+    done = np.array(sorted(rows))
+    i = int(done[np.argmax(G[done])])
+    row = rows[i]
+    return np.asarray(row[0].rows(int(row[1])) if isinstance(row, tuple) else row)[None], G[i:i + 1]
+
+
 def greedy(scorer: Scorer, score, fill: bool, start=None):
     """Greedy draft lengths: take the best single increment (and, with fill, the best increment with
     every other device raised to the new bottleneck) until nothing gains. score(L) -> (G, T, ul).
@@ -866,31 +1238,38 @@ def greedy(scorer: Scorer, score, fill: bool, start=None):
         cand = np.flatnonzero(L < lmax)
         if cand.size == 0:
             break
-        Lc = np.repeat(L[None], cand.size, axis=0)
-        Lc[np.arange(cand.size), cand] += 1
+        sparse = neighbors is not None and bounded and n >= _SPARSE_FILL_MIN_N
+        Lc = _Raised(L, cand) if sparse else _Raised(L, cand).rows(slice(None))
         # neighbors also give each row's uplink phase (None: computed here)
-        G, T, ul, bottleneck = neighbors(L, cand, Lc) if neighbors is not None else (*score(Lc), None)
+        compact = {"compact": True} if sparse and neighbors == scorer.prefix_neighbors else {}  # no (C, N) modes
+        G, T, ul, bottleneck = neighbors(L, cand, Lc, **compact) if neighbors is not None else (*score(Lc), None)
         rows = [(Lc, G)]
         if fill:
             if bottleneck is None:
                 idx = scorer._index(Lc)
                 bottleneck = np.where(ul, f["up_u"][idx], f["up_d"][idx]).max(-1)
-            Lf = np.maximum(Lc, _fill_levels(scorer, ul, bottleneck))
-            changed = np.flatnonzero(np.any(Lf != Lc, axis=1))
-            if changed.size:
-                Lf = Lf[changed]
-                if bounded and Lf.shape[0] >= _BOUNDED_MIN_ROWS:
-                    Gf = _score_bounded(scorer, score, Lf, Lc[changed], T[changed],
-                                        max(float(G.max()), g_cur * (1 + _REL_GAIN)))
-                else:
-                    Gf = score(Lf)[0]
-                rows.append((Lf, Gf))
+            if sparse:
+                rows.append(_fill_rows_sparse(scorer, score, neighbors, L, cand, ul, bottleneck, T,
+                                              max(float(G.max()), g_cur * (1 + _REL_GAIN))))
+            else:
+                Lf = np.maximum(Lc, _fill_levels(scorer, ul, bottleneck))
+                changed = np.flatnonzero(np.any(Lf != Lc, axis=1))
+                if changed.size:
+                    Lf = Lf[changed]
+                    if bounded and Lf.shape[0] >= _BOUNDED_MIN_ROWS:
+                        Gf = _score_bounded(scorer, score, Lf, Lc[changed], T[changed],
+                                            max(float(G.max()), g_cur * (1 + _REL_GAIN)))
+                    else:
+                        Gf = score(Lf)[0]
+                    rows.append((Lf, Gf))
         # the first best row over the single increments, then the fill rows (argmax of both, concatenated)
         L_best, g_best = None, -np.inf
         for Ls, Gs in rows:
+            if Gs.size == 0:
+                continue
             i = int(np.argmax(Gs))
             if Gs[i] > g_best:
-                L_best, g_best = Ls[i], Gs[i]
+                L_best, g_best = (Ls.rows(i) if isinstance(Ls, _Raised) else Ls[i]), Gs[i]
         if not g_best > g_cur * (1 + _REL_GAIN):
             break
         L, g_cur = L_best.copy(), g_best
@@ -1075,12 +1454,161 @@ class SharedModes:
 
     def __init__(self, scorer: Scorer, ul):
         self.scorer, self.ul = scorer, np.asarray(ul, bool)
+        self.base = None  # the greedy's current schedule (`_SharedBase`), set by `neighbors`
 
     def __call__(self, L, floor: float | None = None):
-        """Score draft-length vectors L (one per row) with the fixed modes, each row split anew: (G, T, ul)."""
-        ul = np.broadcast_to(self.ul, np.shape(L))
-        G, T, _ = self.scorer.exact(L, ul)
+        """Score draft-length vectors L (one per row) with the fixed modes, each row split anew: (G, T, ul).
+        floor (the greedy's fill rows, all >= the schedule `neighbors` saw last): rows whose goodput provably
+        stays below it are not split and get G = -inf and a lower bound of T."""
+        L = np.asarray(L)
+        ul = np.broadcast_to(self.ul, L.shape)
+        base = self.base
+        if floor is None or base is None or not np.all(L >= base.L0):
+            G, T, _ = self.scorer.exact(L, ul)
+            return G, T, ul
+        T = base.round_time_lower(L)
+        G = np.full(L.shape[0], -np.inf)
+        keep = np.flatnonzero(self.scorer.flat["E"][self.scorer._index(L)].sum(-1) / T >= floor)
+        if keep.size:
+            G[keep], T[keep], _ = self.scorer.exact(L[keep], ul[keep])
         return G, T, ul
+
+    def neighbors(self, L0, ks, Lc):
+        """The single increments Lc = L0 + e_k; exact for every candidate that can be the best one, the others
+        G = -inf and a lower bound of T. Synchronous rounds with monotone tables (`Scorer.incremental`) on a
+        shared uplink; otherwise every row is scored in full."""
+        s = self.scorer
+        if not s.shared:
+            return s.fixed_neighbors(L0, ks, Lc, self.ul, exact=False)
+        ul_rows = np.broadcast_to(self.ul, Lc.shape)
+        prev = self.base if self.base is not None and np.all(np.asarray(L0) >= self.base.L0) else None
+        self.base = _SharedBase.of(s, self.ul, np.asarray(L0), prev) if s.incremental else None
+        if self.base is None:
+            G, T, _ = s.exact(Lc, ul_rows)
+            return G, T, ul_rows, None
+        T = self.base.raised_round_time_lower(np.asarray(ks))
+        bound = s._raised_tokens(self.base.L0, np.asarray(ks) * s.lmax + self.base.L0[ks]) / T
+        G = np.full(Lc.shape[0], -np.inf)
+        order = np.argsort(-bound, kind="stable")
+        best, start, size = -np.inf, 0, 4
+        while start < order.size:  # highest bound first, in growing chunks, until no bound reaches the best
+            chunk = order[start:start + size]
+            chunk = chunk[bound[chunk] >= best]
+            if chunk.size == 0:
+                break  # sorted: no later candidate can reach the best either
+            G[chunk], T[chunk], _ = s.exact(Lc[chunk], ul_rows[chunk])
+            best = max(best, float(G[chunk].max()))
+            start, size = start + size, size * 4
+        return G, T, ul_rows, self._bottleneck(np.asarray(L0), np.asarray(ks))
+
+    def _bottleneck(self, L0, ks):
+        """Each increment's largest tabulated uplink phase in these modes (the greedy's fill bottleneck, as it
+        computes it from the rows) from L0's maximum and second maximum: no (C, N) array."""
+        s, f = self.scorer, self.scorer.flat
+        idx0 = s.offset[0] + L0 - 1
+        base = np.where(self.ul, f["up_u"][idx0], f["up_d"][idx0])
+        new = ks * s.lmax + L0[ks]
+        m1, m2 = (m[-1] for m in s._top2(base))
+        others = np.where(base[ks] == m1, m2, m1)  # the largest without k
+        return np.maximum(others, np.where(self.ul[ks], f["up_u"][new], f["up_d"][new]))
+
+
+_GRID = np.array([0.0, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0])  # `_SharedBase`: U_0 (1 + these)
+
+
+@dataclass
+class _SharedBase:
+    """Lower bounds of the round time of schedules L >= L0 (fixed modes, shared uplink) from the split of L0.
+
+    Raising any L_k only raises device k's bits and drafting time, so its band demand b_k(U) (`uplink.demand`)
+    and with it the uplink phase: U(L) >= U_0 (L0's). F_L(U) = sum_k b_k(U) - B is convex and decreasing, so at
+    any U with F_L(U) >= 0 (U_0 is one) the root lies right of U and right of U's Newton step. Demand tables at a
+    few deadlines U_0 (1 + `_GRID`) (every device and length) give F_L and F_L' there as sums per row, no split:
+    the bound is the Newton step from the last of them with F_L >= 0. Every later phase grows with L too
+    (`Scorer.monotone`), so T(L) >= U(L) + T_ver(L) + (L0's phases after its uplink) + t_0."""
+
+    scorer: Scorer
+    L0: np.ndarray
+    after: float
+    U: np.ndarray        # (m,) the deadlines
+    demand: np.ndarray   # (m, N L_max) b_k(U) per deadline and flat table entry; slope: db_k/dU there
+    slope: np.ndarray
+    alone: np.ndarray    # (N L_max,) each entry's uplink alone with all the band the others leave it
+    inputs: tuple = ()   # (S, c, a) of every entry in these modes: the split's inputs (`Scorer.shared_inputs`)
+
+    @classmethod
+    def of(cls, s: Scorer, ul, L0, prev: _SharedBase | None = None):
+        """The bounds around L0, or None where demands do not grow with L (the bound needs them to).
+
+        prev: the bounds of an earlier schedule <= L0 in the same modes (the greedy's previous step). Its
+        deadlines above U_0 are kept with their tables (any deadline up to U(L) is a valid start of the
+        Newton step: F_L >= 0 there), and only U_0's table is new: one demand table a step instead of
+        `_GRID`'s nine, while at least five deadlines remain (then all nine anew)."""
+        sc, n, lmax = s.sc, s.n, s.lmax
+        B, bmin = sc.ul_total_bandwidth_hz(), sc.ul_min_band_hz()
+        if prev is not None:
+            S, c, a = prev.inputs
+        else:
+            S, c = s.shared_inputs(np.arange(n * lmax), np.repeat(ul, lmax))
+            if np.any(np.diff(S.reshape(n, lmax), axis=1) < 0) or np.any(np.diff(c.reshape(n, lmax), axis=1) < 0):
+                return None
+            a = np.repeat(s.tb.snr_hz, lmax)
+        up0, _ = s.shared_up(L0[None], ul[None])
+        T0 = s.fixed(L0[None], ul[None], up=up0)[1][0]
+        U0 = float(up0.max())
+        kept = np.flatnonzero(prev.U > U0) if prev is not None else np.empty(0, int)
+        if kept.size >= 4:
+            d0, s0 = uplink.demand(S, c, a, U0, bmin)
+            U = np.concatenate([[U0], prev.U[kept]])
+            demand = np.concatenate([d0[None], prev.demand[kept]])
+            slope = np.concatenate([s0[None], prev.slope[kept]])
+            alone = prev.alone
+        else:
+            U = U0 * (1.0 + _GRID)
+            demand, slope = uplink.demand(S[None], c[None], a[None], U[:, None], bmin)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                alone = c + np.where(S > 0, S / uplink.rate_bps(B - (n - 1) * bmin, a), 0.0)
+        after = T0 - U0 - float(model.verify_time(sc, L0)) - s.t_over
+        return cls(s, np.asarray(L0).copy(), after, U, demand, slope, alone, (S, c, a))
+
+    def _uplink_lower(self, F, dF, blocked=None):
+        """From F_L and F_L' at the deadlines ((m, C)): the Newton step from the last deadline with F_L >= 0
+        (none where `blocked`: some demand there is infinite and F_L only a lower value)."""
+        ok = F >= 0
+        ok[0] = True  # F_L(U_0) >= 0 up to rounding (the margin of the round time covers it)
+        last = self.U.size - 1 - np.argmax(ok[::-1], axis=0)
+        cols = np.arange(F.shape[1])
+        f, df, u = F[last, cols], dF[last, cols], self.U[last]
+        ok_step = np.isfinite(f) & (f > 0) & (df < 0)
+        if blocked is not None:
+            ok_step &= ~blocked[last, cols]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            step = np.where(ok_step, -f / df, 0.0)
+        return u + np.nan_to_num(step, nan=0.0)
+
+    def round_time_lower(self, L):
+        """A lower bound of the round time of each row of L (all >= L0), with a margin for rounding."""
+        s = self.scorer
+        idx = s._index(L)
+        B = s.sc.ul_total_bandwidth_hz()
+        F = np.stack([d[idx].sum(-1) for d in self.demand]) - B
+        dF = np.stack([d[idx].sum(-1) for d in self.slope])
+        U = np.maximum(self._uplink_lower(F, dF), self.alone[idx].max(-1))
+        return (U + model.verify_time(s.sc, L) + self.after + s.t_over) * (1 - REL_TOL)
+
+    def raised_round_time_lower(self, ks):
+        """`round_time_lower` of the single increments L0 + e_k, k in ks, in O(1) each (no (C, N) rows)."""
+        s = self.scorer
+        idx0 = s.offset[0] + self.L0 - 1
+        new = ks * s.lmax + self.L0[ks]
+        B = s.sc.ul_total_bandwidth_hz()
+        F = self.demand[:, idx0].sum(-1)[:, None] - B + self.demand[:, new] - self.demand[:, new - 1]
+        dF = self.slope[:, idx0].sum(-1)[:, None] + self.slope[:, new] - self.slope[:, new - 1]
+        alone = self.alone[idx0]
+        m1, m2 = (m[-1] for m in s._top2(alone))
+        others = np.where(alone[ks] == m1, m2, m1)  # the largest without k
+        U = np.maximum(self._uplink_lower(F, dF), np.maximum(others, self.alone[new]))
+        return (U + s._verify_raised(self.L0, ks) + self.after + s.t_over) * (1 - REL_TOL)
 
 
 _ALL_MODES_MAX_N = 8  # proposed on a shared uplink polishes with every mode vector per candidate up to this N
@@ -1149,9 +1677,10 @@ def _proposed_shared(sc: Scenario, s_eq: Scorer, fixed_length: int):
     current bands (first the equal share B/N), split the band optimally for that schedule, and plan again on those
     bands while the goodput with the split improves (at most 3 rounds). (2) The schedules of the baselines that
     plan on the equal share (all-UL, all-DL, every common length with prefix modes or all UL: common-length,
-    fixed-length, multispin-homogeneous) and, up to `_HET_START_MAX_N` devices, multispin-heterogeneous. Every
-    candidate is scored with its own split; the best is polished by greedy with fill on exact scoring (modes fixed
-    to its own, then the prefix modes on its bands). Never below those baselines (each is a candidate)."""
+    fixed-length, multispin-homogeneous) and multispin-heterogeneous (at every N: until it was fast, only up to
+    64 devices, and proposed fell below it above that). Every candidate is scored with its own split; the best is
+    polished by greedy with fill on exact scoring (modes fixed to its own, up to `_POLISH_MAX_N` devices; then the
+    prefix modes on its bands). Never below those baselines (each is a candidate)."""
     n, lmax = s_eq.n, s_eq.lmax
     cands: list[tuple[np.ndarray, np.ndarray]] = []
     s, best_g = s_eq, -np.inf
@@ -1167,8 +1696,7 @@ def _proposed_shared(sc: Scenario, s_eq: Scorer, fixed_length: int):
     Lc = np.repeat(np.arange(1, lmax + 1)[:, None], n, axis=1)
     ulc = s_eq.prefix(Lc)[2]
     cands += [(Lc[i], ulc[i]) for i in range(lmax)] + [(Lc[i], np.ones(n, bool)) for i in range(lmax)]
-    if n <= _HET_START_MAX_N:
-        cands.append(_multispin_heterogeneous(s_eq))
+    cands.append(_multispin_heterogeneous(s_eq))
     Ls = np.array([c[0] for c in cands])
     uls = np.array([c[1] for c in cands])
     G = s_eq.exact(Ls, uls)[0]
@@ -1183,7 +1711,7 @@ def _proposed_shared(sc: Scenario, s_eq: Scorer, fixed_length: int):
     if fixed:
         Lf = np.array([c[0] for c in fixed])
         ulf = np.array([c[1] for c in fixed])
-        k = len(cands) - (2 * lmax + (n <= _HET_START_MAX_N))  # the alternating plans come first
+        k = len(cands) - (2 * lmax + 1)  # the alternating plans come first
         Ls = np.concatenate([Ls[:k], Lf, Ls[k:]])
         uls = np.concatenate([uls[:k], ulf, uls[k:]])
         G = np.concatenate([G[:k], s_eq.exact(Lf, ulf)[0], G[k:]])
@@ -1199,7 +1727,7 @@ def _proposed_shared(sc: Scenario, s_eq: Scorer, fixed_length: int):
         return _local_search(score, L, ul, g, lmax)
     # polish: greedy on exact scoring (O(N^2) a step: up to 64 devices), modes fixed; then modes by prefix on the
     # bands of the result
-    L2 = greedy(s_eq, SharedModes(s_eq, ul), fill=True, start=L) if n <= _HET_START_MAX_N else L
+    L2 = greedy(s_eq, SharedModes(s_eq, ul), fill=True, start=L) if n <= _POLISH_MAX_N else L
     s_b = Scorer(sc, ul_bandwidths=s_eq.exact(L2[None], ul[None])[2][0])
     ul2 = s_b.prefix(L2[None])[2][0]
     G2 = s_eq.exact(np.array([L2, L2]), np.array([ul, ul2]))[0]

@@ -9,8 +9,9 @@ device's acceptance set to the option's), the policy plans it unchanged, and the
 choices is never predicted worse than the dense plan. The price: a device cannot be dense while another
 uploads top-k in the same round (a DL-mode device of a top-k round drafts from the truncated q too).
 
-alpha under k: the caller's estimates (the live controller learns them per (device, k)), else the
-scenario's prior `topk_acceptance_ratio[k]` x acceptance (a k without an entry: ratio 1).
+alpha under k: the caller's estimates (the live controller learns them per (device, k), its prior the
+ratios a run calibrates before round 0 with `topk_acceptance`), else the scenario's prior
+`topk_acceptance_ratio[k]` x acceptance (a k without an entry: ratio 1).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def options(sc: Scenario) -> list[int | None]:
 def ratio(sc: Scenario, k: int | None) -> float:
     """The prior alpha_k / alpha of a k (1 for dense and for a k without an entry)."""
     return 1.0 if k is None else float(sc.topk_acceptance_ratio.get(int(k), 1.0))
+
+
+def unmodelled(sc: Scenario) -> list[int]:
+    """The top-k options whose acceptance loss the scenario does not give (`topk_acceptance_ratio`): planned
+    offline as if top-k lost nothing (a live run calibrates them on its pair)."""
+    return [k for k in options(sc) if k is not None and int(k) not in sc.topk_acceptance_ratio]
 
 
 def prior_acceptance(sc: Scenario, k: int | None, acceptance=None) -> np.ndarray:
@@ -100,3 +107,45 @@ def best_plan(sc: Scenario, plan_one: Callable, acceptance_by_option: Mapping | 
     k = topk_of(best.scenario)
     best.info["payload"] = {"format": "dense" if k is None else "topk", "k": k, "options": tried}
     return best
+
+
+def topk_acceptance(p_rows, q_rows, ks) -> dict:
+    """The expected acceptance of a draft token sampled from q truncated to its top k, per k: the mean over
+    rows of sum_x min(p(x), q_k(x)) (speculative sampling accepts with exactly that probability), with q_k as
+    `sampling.truncate_top_k` makes it (ties towards the lower index). Key None: the dense q. `p_rows`,
+    `q_rows`: (n, V) distributions (each row normalized here); a k >= V is the dense q."""
+    p = np.asarray(p_rows, float)
+    q = np.asarray(q_rows, float)
+    if p.ndim != 2 or p.shape != q.shape or p.shape[0] < 1:
+        raise ValueError(f"p_rows {p.shape}, q_rows {q.shape}: need two (n, V) arrays of the same shape, n >= 1")
+    p = p / p.sum(axis=1, keepdims=True)
+    q = q / q.sum(axis=1, keepdims=True)
+    order = np.argsort(-q, axis=1, kind="stable")
+    qs, ps = np.take_along_axis(q, order, axis=1), np.take_along_axis(p, order, axis=1)
+    mass = np.cumsum(qs, axis=1)
+    out = {DENSE: float(np.minimum(p, q).sum(axis=1).mean())}
+    for k in sorted({int(k) for k in ks if k is not None}):
+        if k < 1:
+            raise ValueError(f"k={k}: must be >= 1")
+        if k >= q.shape[1]:
+            out[k] = out[DENSE]
+            continue
+        kept = qs[:, :k] / mass[:, k - 1:k]
+        out[k] = float(np.minimum(ps[:, :k], kept).sum(axis=1).mean())
+    return out
+
+
+def ratios(acceptance: Mapping) -> dict[int, float]:
+    """k -> alpha_k / alpha (dense) from `topk_acceptance`'s result (a dense acceptance of 0: ratio 1)."""
+    dense = acceptance[DENSE]
+    return {k: (float(a) / dense if dense > 0 else 1.0) for k, a in acceptance.items() if k is not None}
+
+
+def unmodelled_note(sc: Scenario) -> str | None:
+    """The warning `plan` and `simulate` print for `unmodelled` options; None when every option's loss is given."""
+    ks = unmodelled(sc)
+    if not ks:
+        return None
+    return (f"top-k k={', '.join(map(str, ks))}: no topk_acceptance_ratio, planned as if top-k lost no acceptance "
+            "(it does: alpha_k < alpha); give measured ratios, e.g. a live run's meta.json calibration.topk.ratio "
+            "(--set scenario.topk_acceptance_ratio={16: 0.56, 64: 0.73})")

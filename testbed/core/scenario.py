@@ -29,7 +29,7 @@ class _Strict(BaseModel):
 class Device(_Strict):
     """One device: its channel (a gain in dB or a distance in m), radio, SLM speed and acceptance."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the device's name (unique; the key of hardware:, link_probe:, --set)")
     channel_gain_db: float | None = Field(default=None, description="g_k in dB (negative); or distance_m")
     distance_m: float | None = Field(default=None, gt=0, description="distance to the edge, m")
     max_power_w: float = Field(default=0.2, gt=0, description="P^max_k, W (23 dBm = 0.2 W)")
@@ -54,11 +54,12 @@ class Device(_Strict):
 class DropSpec(_Strict):
     """How the offline simulator draws random devices (spec section 5 defaults)."""
 
-    num_devices: int = Field(default=10, ge=1)
-    distance_m: tuple[float, float] = (50.0, 500.0)
-    draft_time_s: tuple[float, float] = (0.015, 0.060)
-    acceptance: tuple[float, float] = (0.6, 0.85)
-    max_power_w: float = Field(default=0.2, gt=0)
+    num_devices: int = Field(default=10, ge=1, description="devices drawn per drop")
+    distance_m: tuple[float, float] = Field(default=(50.0, 500.0), description="[low, high] m, uniform")
+    draft_time_s: tuple[float, float] = Field(default=(0.015, 0.060), description="[low, high] s per token, "
+                                                                                  "uniform")
+    acceptance: tuple[float, float] = Field(default=(0.6, 0.85), description="[low, high], uniform")
+    max_power_w: float = Field(default=0.2, gt=0, description="every drawn device's P^max, W")
 
     @field_validator("distance_m", "draft_time_s", "acceptance")
     @classmethod
@@ -83,7 +84,7 @@ class Scenario(_Strict):
     bits_per_prob: int = Field(default=16, ge=1, le=64, description="b_p, bits per probability")
     max_draft_len: int = Field(default=12, ge=1, le=64, description="L_max")
     noise_psd_dbm_hz: float = Field(default=-174.0, description="N_0 before the noise figure, dBm/Hz")
-    noise_figure_db: float = Field(default=9.0, ge=0)
+    noise_figure_db: float = Field(default=9.0, ge=0, description="receiver noise figure, dB")
     uplink_bandwidth_hz: float = Field(default=1.0e6, gt=0, description="B^U per device, Hz")
     downlink_bandwidth_hz: float = Field(default=2.0e7, gt=0, description="B^D shared, Hz")
     downlink_power_w: float = Field(default=10.0, gt=0, description="P_s, W (40 dBm = 10 W)")
@@ -94,26 +95,33 @@ class Scenario(_Strict):
     # Protocol header carried by every draft upload and DL-mode verdict (0 in the spec; the live
     # controller measures it from the bytes the channel charged).
     header_bits: float = Field(default=0.0, ge=0, description="header bits added to each message")
-    path_loss_law: Literal["3gpp_macro", "free_space_2ghz"] = "3gpp_macro"
+    path_loss_law: Literal["3gpp_macro", "free_space_2ghz"] = Field("3gpp_macro", description="gain from distance")
     # Options (spec sections 3-5), defaults first in each list.
-    ul_protocol: Literal["eager", "lazy"] = "eager"
-    dl_protocol: Literal["rejected_only", "all_positions"] = "rejected_only"
-    dl_provisioning: Literal["worst_case", "expected", "realized"] = "worst_case"
-    payload_format: Literal["dense", "topk"] = "dense"
+    ul_protocol: Literal["eager", "lazy"] = Field("eager", description="UL-mode upload (system-model.md, section 3)")
+    dl_protocol: Literal["rejected_only", "all_positions"] = Field("rejected_only",
+                                                                  description="DL-mode payloads (section 3)")
+    dl_provisioning: Literal["worst_case", "expected", "realized"] = Field(
+        "worst_case", description="what the plan reserves on the DL (section 3)")
+    payload_format: Literal["dense", "topk"] = Field("dense", description="draft distributions: whole, or top-k "
+                                                                          "(topk_k entries)")
     topk_k: int = Field(default=1024, ge=1, description="entries kept per distribution when topk")
     # Top-k chosen by the plan (testbed.core.payload): each round it keeps the best of dense and these k
     # (one draft distribution for every device of the round); () = off: payload_format and topk_k hold.
     topk_choices: tuple[int, ...] = Field(default=(), description="k values the plan may choose each round")
     # alpha under top-k k = ratio x acceptance (clipped into (0, 1)); a k without an entry: 1 (no loss). A
-    # live run learns alpha per (device, k) and uses this as the prior only.
+    # live run calibrates the ratios on its pair (estimator.calibrate; this is then unused) and learns alpha
+    # per (device, k).
     topk_acceptance_ratio: dict[int, float] = Field(default_factory=dict, description="alpha_k / alpha per k")
-    verify_batch: Literal["ragged", "padded"] = "ragged"
-    dl_access: Literal["fdma_equal_split", "fdma_fixed_split", "tdma"] = "fdma_equal_split"
-    rounds: Literal["synchronous", "asynchronous"] = "synchronous"
+    verify_batch: Literal["ragged", "padded"] = Field("ragged", description="T_ver of a batch (section 5)")
+    dl_access: Literal["fdma_equal_split", "fdma_fixed_split", "tdma"] = Field(
+        "fdma_equal_split", description="how DL-mode devices share the downlink (section 4)")
+    rounds: Literal["synchronous", "asynchronous"] = Field("synchronous", description="one round for all, or each "
+                                                                                    "device on its own (sections 5, 6)")
     # The uplink (docs/system-model.md, section 4): a dedicated band per device (uplink_bandwidth_hz each), or
     # one band of uplink_total_bandwidth_hz (default: N x uplink_bandwidth_hz, the same spectrum) that the
     # plan divides among the devices every round, each getting at least ul_min_share x B / N.
-    ul_access: Literal["dedicated", "fdma_shared"] = "dedicated"
+    ul_access: Literal["dedicated", "fdma_shared"] = Field("dedicated", description="a band per device, or one "
+                                                                                   "shared band the plan splits")
     uplink_total_bandwidth_hz: float | None = Field(default=None, gt=0, description="B^U shared (fdma_shared), Hz")
     ul_min_share: float = Field(default=0.05, gt=0, le=1, description="least share of B^U / N per device")
     drop: DropSpec | None = Field(default=None, description="random-drop settings for `simulate`")

@@ -115,3 +115,24 @@ def split(bits, before_s, snr_hz, total_hz: float, min_hz: float, iters: int = 1
     with np.errstate(divide="ignore", invalid="ignore"):
         b = np.where(tot > 0, bmin + extra * (free / tot), bmin + free / n)
     return b, tau(b).max(-1)
+
+
+def demand(bits, before_s, snr_hz, deadline_s, min_hz: float):
+    """Each device's band b_k(U) for the deadline U (as in `split`: at least b_min; inf where no band is enough)
+    and its derivative db_k/dU (<= 0; 0 at b_min). F(U) = sum b_k(U) - B is convex, so F(U) + F'(U) (V - U)
+    bounds F(V) from below: one Newton step from the left of a root stays left of it (the greedy's bounds,
+    `optimizer._shared_neighbors`). Vectorised."""
+    S, c, a, U = np.broadcast_arrays(*(np.asarray(v, float) for v in (bits, before_s, snr_hz, deadline_s)))
+    band = S > 0
+    gap = U - c
+    late = band & (gap <= 0)  # the deadline is before the upload can start
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rho = np.where(band & ~late, S / gap, 0.0)
+        need = np.where(band & ~late, band_for_rate_hz(rho, a), 0.0)
+        need = np.where(late, np.inf, need)
+        b = np.maximum(need, float(min_hz))
+        active = band & np.isfinite(need) & (need > min_hz)
+        x = a / np.where(active, need, 1.0)
+        drho_db = np.log1p(x) / LN2 - x / ((1.0 + x) * LN2)
+        db = np.where(active, -(rho / np.where(active, gap, 1.0)) / drho_db, 0.0)
+    return b, db

@@ -2,14 +2,20 @@
 start resumes (`multispin campaign`).
 
 Layout of a campaign folder:
-  campaign.json         what the campaign is: sweep key and values, policies, repeats, the base profile (after
-                        --set and the flags, before the sweep), code version; a restart must match it
-  <key>=<value>/        one compare directory per sweep point (`multispin report` reads it as one):
+  campaign.json         what the campaign is: sweep key and values (a grid: one entry per key), policies, repeats,
+                        the base profile (after --set and the flags, before the sweep), code version; a restart
+                        must match it (`campaign extend` changes it: testbed.run.campaign_grow)
+  <key>=<value>/        one compare directory per sweep point (`multispin report` reads it as one); a grid's
+                        point: <key1>=<value1>,<key2>=<value2>/
       <policy>[-rep<r>]/  a run directory (testbed.runtime.records); compare.json / compare.txt / plots/
   results.csv           one row per run: the point, policy, repeat, seed, status, measured and predicted
                         goodput, energy, tags; rewritten after every run
   summary.txt           per point: the policies ordered by measured and by predicted goodput
   plots/goodput.png     measured goodput per policy against the swept key, the model's prediction beside it
+
+Several sweeps make a grid (`Grid`: every combination of their values, the first key outermost). Runs go one
+after another in this process, or side by side through a `runner` (`testbed.run.campaign_jobs`: worker
+processes, Ray); `testbed.run.campaign_grow` reads a campaign back from its folder and grows it.
 
 Every run of a point uses the same seeds per repeat (repeat r: seed + r) whatever the policy, so the prompts,
 sampling and channel draws (seeded per device name and round) are the same across policies; `devices=N`
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import itertools
 import json
 import logging
 import math
@@ -74,6 +81,65 @@ class Sweep:
         """The profile field the values go to (None for `devices`)."""
         return None if self.key == DEVICES else ALIASES.get(self.key, self.key)
 
+    @property
+    def sweeps(self) -> tuple[Sweep, ...]:
+        return (self,)
+
+    def spec(self) -> dict:
+        return {"key": self.key, "values": list(self.values)}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Several sweep keys: every combination of their values is a point (the first key outermost)."""
+
+    sweeps: tuple[Sweep, ...]
+
+    @property
+    def key(self) -> str:
+        return ",".join(s.key for s in self.sweeps)
+
+    @property
+    def values(self) -> tuple[tuple, ...]:
+        """The points, each a tuple of one value per key."""
+        return tuple(itertools.product(*(s.values for s in self.sweeps)))
+
+    def spec(self) -> list[dict]:
+        return [s.spec() for s in self.sweeps]
+
+
+def parse_sweeps(texts: list[str]) -> Sweep | Grid:
+    """One `--sweep` (a Sweep) or several (a Grid over their keys); a key given twice, or two keys that set the
+    same profile field, are refused."""
+    sweeps = [parse_sweep(t) for t in texts]
+    if not sweeps:
+        raise CampaignError("--sweep KEY=V1,V2,... is required (e.g. --sweep devices=2,4,8)")
+    seen: dict[str, str] = {}
+    for s in sweeps:
+        field_ = s.path or DEVICES
+        if field_ in seen:
+            same = "is swept twice" if seen[field_] == s.key else f"sets the same field as --sweep {seen[field_]}"
+            raise CampaignError(f"--sweep {s.key}: {same}; give its values in one --sweep")
+        seen[field_] = s.key
+    return sweeps[0] if len(sweeps) == 1 else Grid(tuple(sweeps))
+
+
+def sweep_from_spec(spec) -> Sweep | Grid:
+    """The sweep of a campaign.json (`{key, values}`, or a list of them for a grid)."""
+    items = spec if isinstance(spec, list) else [spec]
+    sweeps = tuple(Sweep(str(i["key"]), tuple(i["values"])) for i in items)
+    return sweeps[0] if len(sweeps) == 1 else Grid(sweeps)
+
+
+def sweep_column(key: str) -> str:
+    """The results.csv column of a grid's key: the key, unless a result column has that name."""
+    return f"sweep.{key}" if key in RESULT_FIELDS else key
+
+
+def point_of(sweep: Sweep | Grid, value) -> dict:
+    """{key: value} of one point (`value`: a Sweep's value, or a Grid's tuple)."""
+    return dict(zip((s.key for s in sweep.sweeps), value if isinstance(sweep, Grid) else (value,)))
+
 
 def parse_sweep(text: str) -> Sweep:
     """`KEY=V1,V2,...`: KEY is `devices`, a simulator key (dl_bandwidth, dl_power, ul_bandwidth, bits_per_prob,
@@ -115,10 +181,14 @@ def _number(value):
     return value
 
 
-def point_label(sweep: Sweep, value) -> str:
-    """The folder of a sweep point: `<key>=<value>` with a plain, path-safe value."""
-    shown = format(value, "g") if isinstance(value, float) else str(value)
-    return re.sub(r"[^A-Za-z0-9._+=-]", "_", f"{sweep.key}={shown}")
+def shown(value) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
+def point_label(sweep: Sweep | Grid, value) -> str:
+    """The folder of a sweep point: `<key>=<value>` with a plain, path-safe value; a grid's point joins its
+    keys' with ',' (`devices=2,channel.state.fading=none`)."""
+    return ",".join(re.sub(r"[^A-Za-z0-9._+=-]", "_", f"{k}={shown(v)}") for k, v in point_of(sweep, value).items())
 
 
 def _copy_names(names: list[str], n: int) -> list[str]:
@@ -154,26 +224,30 @@ def device_overrides(data: dict, n: int, flag: str) -> list[Override]:
     return out
 
 
-def point_profile(base: Profile, sweep: Sweep, value) -> Profile:
-    """The base profile at one sweep point; a bad value is reported as `--sweep KEY=VALUE: ...`."""
+def point_profile(base: Profile, sweep: Sweep | Grid, value) -> Profile:
+    """The base profile at one sweep point (a grid's: every key's value, in the order of the keys); a bad value
+    is reported as `--sweep KEY=VALUE: ...`."""
     data = base.snapshot()
-    flag = f"--sweep {sweep.key}={value}"
-    overrides = device_overrides(data, value, flag) if sweep.key == DEVICES else [Override(sweep.path, value, flag)]
+    overrides: list[Override] = []
+    for s, v in zip(sweep.sweeps, value if isinstance(sweep, Grid) else (value,)):
+        flag = f"--sweep {s.key}={v}"
+        overrides += device_overrides(data, v, flag) if s.key == DEVICES else [Override(s.path, v, flag)]
     try:
         return load_profile(data, overrides)
     except ProfileError as exc:
         raise CampaignError(str(exc)) from None
 
 
-def check_sweep_key(base: Profile, sweep: Sweep) -> None:
+def check_sweep_key(base: Profile, sweep: Sweep | Grid) -> None:
     """An unknown profile key fails before anything runs (with a did-you-mean)."""
-    if sweep.path is None:
-        return
-    try:
-        apply_override(base.snapshot(), Override(sweep.path, sweep.values[0], f"--sweep {sweep.key}"), root=Profile)
-    except OverrideError as exc:
-        also = "" if "." in sweep.key else f" (or a sweep key: {DEVICES}, {', '.join(ALIASES)})"
-        raise CampaignError(f"{exc}{also}") from None
+    for s in sweep.sweeps:
+        if s.path is None:
+            continue
+        try:
+            apply_override(base.snapshot(), Override(s.path, s.values[0], f"--sweep {s.key}"), root=Profile)
+        except OverrideError as exc:
+            also = "" if "." in s.key else f" (or a sweep key: {DEVICES}, {', '.join(ALIASES)})"
+            raise CampaignError(f"{exc}{also}") from None
 
 
 @dataclass
@@ -193,7 +267,7 @@ class Campaign:
     """A campaign folder and what runs in it (`plan_campaign`)."""
 
     out: Path
-    sweep: Sweep
+    sweep: Sweep | Grid
     policies: list[str]
     repeats: int
     base: Profile
@@ -208,15 +282,28 @@ class Campaign:
 
     def spec(self) -> dict:
         """What identifies the campaign (campaign.json): a restart must ask for the same."""
-        return {"sweep": {"key": self.sweep.key, "values": list(self.sweep.values)}, "policies": self.policies,
+        return {"sweep": _json_roundtrip(self.sweep.spec()), "policies": self.policies,
                 "repeats": self.repeats, "profile": _json_roundtrip(self.base.snapshot())}
+
+    def run_meta(self, run: CampaignRun) -> dict:
+        """The meta.json fields a campaign adds to one of its runs: the command's, the campaign, the point."""
+        point = {"key": self.sweep.key, "value": _row_value(self.sweep, run.value)}
+        if isinstance(self.sweep, Grid):
+            point["point"] = point_of(self.sweep, run.value)
+        return {**self.meta, "campaign": str(self.out), "sweep": point,
+                "compare": {"dir": str(run.run_dir.parent), "policy": run.policy, "repeat": run.repeat}}
+
+
+def _row_value(sweep: Sweep | Grid, value):
+    """A point's `value` cell: the value; a grid's point, its values joined with ','."""
+    return ",".join(shown(v) for v in value) if isinstance(sweep, Grid) else value
 
 
 def _json_roundtrip(obj):
     return json.loads(json.dumps(obj))
 
 
-def plan_campaign(out: Path, base: Profile, sweep: Sweep, policies: list[str], repeats: int) -> Campaign:
+def plan_campaign(out: Path, base: Profile, sweep: Sweep | Grid, policies: list[str], repeats: int) -> Campaign:
     """Every run of the campaign, point by point; within a point repeat by repeat and the policies of a repeat
     back to back (as `multispin compare`: a slow drift of the host lands on every policy alike)."""
     from testbed.run.compare import policy_profile, run_name
@@ -263,8 +350,9 @@ def open_campaign(camp: Campaign) -> int:
     else:
         camp.out.mkdir(parents=True, exist_ok=True)
         created = datetime.now().astimezone().isoformat(timespec="seconds")
+        keep = {k: camp.meta[k] for k in ("tags", "note", "overrides") if k in camp.meta}  # for `campaign extend`
         spec_path.write_text(json.dumps({**spec, "created_utc": created, "version": __version__,
-                                         "git_revision": git_revision()}, indent=2) + "\n")
+                                         "git_revision": git_revision(), "run_meta": keep}, indent=2) + "\n")
     return sum(run_status(r.run_dir) in FINISHED for r in camp.runs)
 
 
@@ -293,67 +381,135 @@ def _resume_or_reset(run: CampaignRun):
 
 
 def run_campaign(camp: Campaign, pair: dict, *, plots: bool = True, progress: bool = True, on_round=None,
-                 echo=print) -> list[dict]:
-    """Run what is not complete yet, resuming an interrupted run; after each run results.csv, the point's
-    compare files and (at the end) summary.txt and the plots are written. Returns the result rows (one per
-    complete run, in campaign order). A run that fails is reported and the campaign goes on; `on_round(record,
-    run)` is called after every round."""
+                 echo=print, runner=None, warm: bool = True) -> list[dict]:
+    """Run what is not complete yet, resuming an interrupted run; after each run results.csv and the point's
+    compare files are written, at the end summary.txt and the plots. Returns the result rows (one per complete
+    run, in campaign order). A run that fails is reported and the campaign goes on; `on_round(record, run)` is
+    called after every round (runs in this process only). `runner(camp, todo, pair, plots=, bar=)`: runs the
+    (index, run) pairs of `todo` elsewhere and returns the failed ones (`testbed.run.campaign_jobs.parallel`:
+    side by side, or on Ray); default: one after another here, as warm trials (`testbed.run.warm`: the target,
+    emulator and device processes of one run serve the next of the same pair, device set and deployment) unless
+    `warm` is False."""
     from tqdm import tqdm
 
-    from testbed.analysis.runs_index import run_info
-    from testbed.run.compare import run_policy, write_comparison
-
     done = open_campaign(camp)
-    failed: list[tuple[CampaignRun, str]] = []
+    todo = [(k, r) for k, r in enumerate(camp.runs) if run_status(r.run_dir) not in FINISHED]
     bar = tqdm(total=len(camp.runs), initial=done, unit="run", desc=f"campaign {camp.sweep.key}",
                disable=not progress, dynamic_ncols=True)
     try:
-        for k, run in enumerate(camp.runs):
-            if run_status(run.run_dir) in FINISHED:
-                continue
-            what = f"{run.label} {run.policy}" + (f" rep{run.repeat}" if camp.repeats > 1 else "")
-            resume = _resume_or_reset(run)
-            bar.set_postfix_str(what + (" (resumed)" if resume else ""), refresh=True)
-
-            def _round(rec, server, launcher, run=run, what=what):
-                bar.set_postfix_str(f"{what}: round {rec['round'] + 1}/{run.profile.rounds}, "
-                                    f"{rec['measured']['goodput_tps'] or 0:.1f} tok/s", refresh=True)
-                if on_round is not None:
-                    on_round(rec, run)
-
-            meta = {**camp.meta, "campaign": str(camp.out), "sweep": {"key": camp.sweep.key, "value": run.value},
-                    "compare": {"dir": str(run.run_dir.parent), "policy": run.policy, "repeat": run.repeat}}
-            try:
-                info = run_policy(run.profile, run.run_dir, pair, progress=False, plots=plots,
-                                  title=f"{camp.out.name}/{run.label}/{run.run_dir.name}", resume=resume,
-                                  on_round=_round, meta=meta)
-                bar.write(f"[{k + 1}/{len(camp.runs)}] {what}: measured {_num(info.measured_tps)} tok/s, predicted "
-                          f"{_num(info.predicted_tps)} tok/s ({info.status}, {info.rounds} rounds)")
-            except TestbedError as exc:
-                failed.append((run, str(exc)))
-                bar.write(f"[{k + 1}/{len(camp.runs)}] {what}: failed: {exc}")
-            finally:
-                write_results(camp)  # also when interrupted: what is complete is in the table
-            bar.update(1)
-            point_runs = [r for r in camp.runs if r.label == run.label and run_status(r.run_dir) is not None]
-            write_comparison(camp.out / run.label, camp.policies, camp.repeats,
-                             [run_info(r.run_dir) for r in point_runs], plots=plots)
+        if runner is not None:
+            failed = runner(camp, todo, pair, plots=plots, bar=bar)
+        else:
+            failed = _run_serial(camp, todo, pair, plots=plots, bar=bar, on_round=on_round, warm=warm)
     finally:
         bar.close()
+    return finish_campaign(camp, failed, plots=plots, echo=echo)
+
+
+def trial_label(camp: Campaign, run: CampaignRun) -> str:
+    return f"{run.label} {run.policy}" + (f" rep{run.repeat}" if camp.repeats > 1 else "")
+
+
+def run_trial(run: CampaignRun, meta: dict, pair: dict, *, plots: bool, title: str, on_round=None, pool=None,
+              say=None):
+    """One run of a campaign, resumed where it stopped when it can be (else started over); its `RunInfo`.
+    Module-level and picklable: a worker process or a Ray task runs it as this process would. `pool`: the
+    `testbed.run.warm.WarmPool` of the runs before it in this process; `say`: its start phases."""
+    from testbed.run.compare import run_policy
+
+    resume = _resume_or_reset(run)
+    return run_policy(run.profile, run.run_dir, pair, progress=False, plots=plots, title=title, resume=resume,
+                      on_round=on_round, meta=meta, pool=pool, say=say)
+
+
+def trial_done(camp: Campaign, run: CampaignRun, *, plots: bool) -> None:
+    """After a run (complete or not): results.csv, and its point's compare files."""
+    from testbed.analysis.runs_index import run_info
+    from testbed.run.compare import write_comparison
+
+    write_results(camp)
+    point_runs = [r for r in camp.runs if r.label == run.label and run_status(r.run_dir) is not None]
+    write_comparison(camp.out / run.label, camp.policies, camp.repeats, [run_info(r.run_dir) for r in point_runs],
+                     plots=plots)
+
+
+def trial_line(camp: Campaign, k: int, run: CampaignRun, info=None, error: str | None = None) -> str:
+    head = f"[{k + 1}/{len(camp.runs)}] {trial_label(camp, run)}"
+    if error is not None:
+        return f"{head}: failed: {error}"
+    return (f"{head}: measured {_num(info.measured_tps)} tok/s, predicted {_num(info.predicted_tps)} tok/s "
+            f"({info.status}, {info.rounds} rounds)")
+
+
+def _run_serial(camp: Campaign, todo: list, pair: dict, *, plots: bool, bar, on_round, warm: bool = True
+                ) -> list[tuple]:
+    """The runs one after another in this process (warm trials with `warm`); returns the failed ones as
+    (run, why)."""
+    from testbed.run.warm import WarmPool
+
+    pool = WarmPool() if warm else None
+    try:
+        return _serial_trials(camp, todo, pair, plots=plots, bar=bar, on_round=on_round, pool=pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _serial_trials(camp: Campaign, todo: list, pair: dict, *, plots: bool, bar, on_round, pool) -> list[tuple]:
+    failed: list[tuple[CampaignRun, str]] = []
+    for k, run in todo:
+        what = trial_label(camp, run)
+        bar.set_postfix_str(what + (" (resumed)" if (run.run_dir / "rounds.jsonl").is_file() else ""), refresh=True)
+
+        def _say(text: str, what=what) -> None:  # a cold start's reason is kept on screen, the phases in the bar
+            if text.startswith("cold"):
+                bar.write(f"{what}: {text}")
+            bar.set_postfix_str(f"{what}: {text}", refresh=True)
+
+        if pool is not None:
+            pool.say = _say
+
+        def _round(rec, server, launcher, run=run, what=what):
+            bar.set_postfix_str(f"{what}: round {rec['round'] + 1}/{run.profile.rounds}, "
+                                f"{rec['measured']['goodput_tps'] or 0:.1f} tok/s", refresh=True)
+            if on_round is not None:
+                on_round(rec, run)
+
+        try:
+            info = run_trial(run, camp.run_meta(run), pair, plots=plots, on_round=_round, pool=pool, say=_say,
+                             title=f"{camp.out.name}/{run.label}/{run.run_dir.name}")
+            bar.write(trial_line(camp, k, run, info))
+        except TestbedError as exc:
+            failed.append((run, str(exc)))
+            bar.write(trial_line(camp, k, run, error=str(exc)))
+        finally:
+            write_results(camp)  # also when interrupted: what is complete is in the table
+        bar.update(1)
+        trial_done(camp, run, plots=plots)
+    return failed
+
+
+def finish_campaign(camp: Campaign, failed: list[tuple], *, plots: bool, echo=print) -> list[dict]:
+    """results.csv, summary.txt and the campaign's plots; a CampaignError naming the runs that failed."""
     rows = write_results(camp)
     text = format_orderings(rows, camp.policies)
     (camp.out / SUMMARY_FILE).write_text(text + "\n")
     echo(text)
     if plots and rows:
-        from testbed.analysis.campaign_plots import plot_campaign
-
-        echo("plots: " + ", ".join(str(p) for p in plot_campaign(rows, camp.out / "plots", camp.sweep.key,
-                                                                title=camp.out.name)))
+        echo("plots: " + ", ".join(str(p) for p in campaign_plots(camp, rows)))
     if failed:
         which = "; ".join(f"{r.label} {r.policy}: {why}" for r, why in failed)
         raise CampaignError(f"{len(failed)} of {len(camp.runs)} runs failed ({which[:600]}); run the same command "
                             f"again to retry them")
     return rows
+
+
+def campaign_plots(camp: Campaign, rows: list[dict]) -> list[Path]:
+    """plots/goodput (and tokens_per_j) of the campaign: against its key, or a grid's panels."""
+    from testbed.analysis.campaign_plots import plot_campaign
+
+    grid = [(s.key, sweep_column(s.key)) for s in camp.sweep.sweeps] if isinstance(camp.sweep, Grid) else None
+    return plot_campaign(rows, camp.out / "plots", camp.sweep.key, title=camp.out.name, grid=grid)
 
 
 def _num(v) -> str:
@@ -371,7 +527,10 @@ def result_row(camp: Campaign, run: CampaignRun) -> dict:
     devs = (s.get("devices") or {}).values()
     ul, dl = sum(d.get("ul_rounds", 0) for d in devs), sum(d.get("dl_rounds", 0) for d in devs)
     mean = s.get("goodput_mean_round_tps") or {}
-    return {"key": camp.sweep.key, "value": run.value, "policy": run.policy, "repeat": run.repeat,
+    grid = {sweep_column(k): v for k, v in point_of(camp.sweep, run.value).items()} \
+        if isinstance(camp.sweep, Grid) else {}
+    return {"key": camp.sweep.key, "value": _row_value(camp.sweep, run.value), **grid, "policy": run.policy,
+            "repeat": run.repeat,
             "seed": run.profile.seed, "status": info.status, "fallback_rounds": info.fallback_rounds,
             "fallbacks": ";".join(f"{k}={n}" for k, n in info.fallbacks.items()),
             "rounds": info.rounds, "tokens": s.get("tokens"),
@@ -399,8 +558,11 @@ def write_results(camp: Campaign) -> list[dict]:
     rows = [result_row(camp, r) for r in camp.runs if run_status(r.run_dir) in FINISHED]
     path = camp.out / RESULTS_FILE
     tmp = path.with_suffix(".csv.tmp")
+    fields = list(RESULT_FIELDS)
+    if isinstance(camp.sweep, Grid):  # one column per key after `value` ("2,none")
+        fields[2:2] = [sweep_column(s.key) for s in camp.sweep.sweeps]
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(RESULT_FIELDS))
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
     tmp.replace(path)
@@ -423,11 +585,13 @@ def format_orderings(rows: list[dict], policies: list[str]) -> str:
     lines = []
     for p in dict.fromkeys(json.dumps(r["value"]) for r in rows):
         value, key = json.loads(p), rows[0]["key"]
+        if "," in key:  # a grid: its point as key=value pairs
+            key, value = ",".join(f"{k}={v}" for k, v in zip(key.split(","), str(value).split(","))), None
         have = [x for x in policies if (p, x) in meas]
         cells = ", ".join(f"{x} {meas[(p, x)]:.2f}/{pred.get((p, x), float('nan')):.2f}" for x in have)
         order_m = sorted(have, key=lambda x: -meas[(p, x)])
         order_p = sorted((x for x in have if (p, x) in pred), key=lambda x: -pred[(p, x)])
-        lines.append(f"{key}={value}: measured/predicted tok/s: {cells}")
+        lines.append(f"{key if value is None else f'{key}={value}'}: measured/predicted tok/s: {cells}")
         lines.append(f"  measured order:  {' > '.join(order_m)}")
         lines.append(f"  predicted order: {' > '.join(order_p)}  ({'agree' if order_m == order_p else 'differ'})")
     lines.append("goodput_run_tps per run (all tokens / all round time), mean over the repeats")

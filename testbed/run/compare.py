@@ -22,14 +22,16 @@ def policy_profile(base, policy: str, repeat: int):
 
 
 def run_policy(profile, run_dir: Path, pair: dict, *, progress: bool, plots: bool, title: str,
-               resume=None, on_round=None, meta: dict | None = None):
+               resume=None, on_round=None, meta: dict | None = None, pool=None, say=None):
     """One run of a comparison (or a campaign): the live run, its plots, and its `RunInfo`; `meta`: more
-    fields of a new run's meta.json (`testbed.run.live.run_meta`)."""
+    fields of a new run's meta.json (`testbed.run.live.run_meta`); `pool`: the `testbed.run.warm.WarmPool` of the
+    trials run one after another here (warm trials); `say`: the start phases (`run_live`)."""
     from testbed.analysis.runs_index import run_info
     from testbed.run.live import run_live
     from testbed.runtime.records import load_run
 
-    run_live(profile, run_dir, progress=progress, pair=pair, resume=resume, on_round=on_round, meta=meta)
+    run_live(profile, run_dir, progress=progress, pair=pair, resume=resume, on_round=on_round, meta=meta, pool=pool,
+             say=say)
     if plots:
         from testbed.analysis import report
 

@@ -71,6 +71,7 @@ class Launcher:
         self.device_procs: dict[str, str] = {}  # device name -> label of the process it runs in
         self.keys_dir: str | None = None  # with CURVE keys: devices use <keys_dir>/clients/<name>/
         self.busy_poll = False  # devices started here busy-poll their socket (`testbed.runtime.waiting`)
+        self.serve_runs = False  # devices wait for the next run after a bye (a warm pool's, `testbed.run.warm`)
 
     def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         fh = open(self.log_dir / f"{label}.log", "ab")
@@ -107,6 +108,8 @@ class Launcher:
             argv += ["--keys", str(Path(self.keys_dir) / "clients" / name)]
         if self.busy_poll:
             argv += ["--busy-poll"]
+        if self.serve_runs:
+            argv += ["--serve-runs"]
         self.device_procs[name] = f"device-{label}"
         return self.start(f"device-{label}", argv + list(extra_args or []))
 
@@ -121,7 +124,7 @@ class Launcher:
                 spec["keys"] = str(Path(self.keys_dir) / "clients" / d["name"])
             specs.append(spec)
         argv = [sys.executable, "-m", "device_node.host", "--connect", connect, "--draft", str(draft_onnx),
-                "--devices", json.dumps(specs)]
+                "--devices", json.dumps(specs)] + (["--serve-runs"] if self.serve_runs else [])
         for d in devices:
             self.device_procs[d["name"]] = label
         return self.start(label, argv)

@@ -18,6 +18,7 @@ from testbed.runtime.plugins import channel_state_from_config
 DEFAULT_DRAWS = 200
 MIN_DRAWS = 16
 DRAW_DEVICE_BUDGET = 8192
+LEARNT_TRIALS = 1e9  # `with_estimates`: a run's learnt alpha under k outweighs any prior
 
 
 def hardware_scales(profile, names: list[str] | None = None) -> dict[str, float]:
@@ -83,14 +84,16 @@ def fading(profile) -> bool:
 
 def last_estimates(records: list[dict]) -> dict | None:
     """What the run's controller had learnt by its last round: per device the latest `estimate` (alpha,
-    draft_time_s), and the last round's verify_model, round_overhead_s and header_bits; None without."""
+    draft_time_s, alpha_topk: k -> alpha under k), and the last round's verify_model, round_overhead_s and
+    header_bits; None without."""
     devices: dict[str, dict] = {}
     last = None
     for rec in records:
         for name, d in (rec.get("devices") or {}).items():
             e = d.get("estimate") or {}
             if e.get("alpha") is not None and e.get("draft_time_s") is not None:
-                devices[name] = {"alpha": e["alpha"], "draft_time_s": e["draft_time_s"]}
+                devices[name] = {"alpha": e["alpha"], "draft_time_s": e["draft_time_s"],
+                                 "alpha_topk": dict(e.get("alpha_topk") or {})}
         last = rec
     if not devices or last is None:
         return None
@@ -104,6 +107,15 @@ def with_estimates(ctl: Controller, estimates: dict) -> None:
     for name, e in estimates["devices"].items():
         if name in ctl.est:
             ctl.est[name] = DeviceEstimate(float(e["alpha"]), ctl.prior_trials, float(e["draft_time_s"]))
+            for k, a in (e.get("alpha_topk") or {}).items():  # the run's alpha under k: so many pseudo-trials
+                ctl.topk_trials[(name, int(k))] = [float(a) * LEARNT_TRIALS, LEARNT_TRIALS]  # that no prior counts
+    # ... and r_k as those estimates put it (their mean over the devices), so that the pooled dense alpha
+    # (`Controller.alpha_dense`) stays the devices' learnt one
+    ratios: dict[int, list[float]] = {}
+    for e in estimates["devices"].values():
+        for k, a in (e.get("alpha_topk") or {}).items():
+            ratios.setdefault(int(k), []).append(float(a) / float(e["alpha"]))
+    ctl.topk_ratio.update({k: sum(r) / len(r) for k, r in ratios.items()})
     for attr, key in (("t0", "t0_s"), ("t1", "t1_s"), ("round_overhead_s", "round_overhead_s"),
                       ("header_bits", "header_bits")):
         if estimates.get(key) is not None:

@@ -74,8 +74,9 @@ class RateProbeSettings(_Strict):
 
 
 class ChannelSettings(_Strict):
-    mode: Literal["real", "virtual", "passthrough"] = "real"
-    base_latency_s: float = Field(default=0.0, ge=0)
+    mode: Literal["real", "virtual", "passthrough"] = Field(
+        "real", description="real: hold messages for their air time; virtual: annotate only; passthrough: none")
+    base_latency_s: float = Field(default=0.0, ge=0, description="latency the emulator adds to every message, s")
     spin_s: float = Field(default=DEFAULT_SPIN_S, ge=0, lt=1, description="busy-wait window of the emulator")
     # ChannelState config (testbed.channel.state): None = the scenario's static gains every round.
     state: dict[str, Any] | None = None
@@ -113,7 +114,8 @@ class ChannelSettings(_Strict):
 
 
 class ModelSettings(_Strict):
-    pair: Literal["default", "local"] = "default"
+    pair: Literal["default", "local"] = Field("default", description="the shipped default pair, or local files "
+                                                                     "(name, or target + draft_onnx + tokenizer)")
     # A pair in the model cache by name: <$MULTISPIN_CACHE or ~/.cache/multispin>/models/NAME/ (docs/models.md);
     # target/draft_onnx/tokenizer then default to its files and, given, are relative to it.
     name: str | None = Field(default=None, description="a pair in the model cache (pair: local)")
@@ -150,9 +152,9 @@ class ModelSettings(_Strict):
 
 
 class SamplingSettings(_Strict):
-    temperature: float = Field(default=1.0, ge=0)
-    top_k: int = Field(default=0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float = Field(default=1.0, ge=0, description="0: greedy (the target's argmax)")
+    top_k: int = Field(default=0, ge=0, description="sample among the k most likely tokens; 0: off")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling mass; 1: off")
 
 
 class EstimatorSettings(_Strict):
@@ -173,7 +175,37 @@ class PinSettings(_Strict):
     # Pin every device's mode and/or draft length (None: the policy decides). For experiments such as
     # "UL and DL mode give the same text": same schedule, only the mode differs.
     mode: Literal[MODES] | None = None  # Literal[("UL", "DL")] is Literal["UL", "DL"]
-    draft_len: int | None = Field(default=None, ge=1)
+    draft_len: int | None = Field(default=None, ge=1, description="every device's draft length (null: planned)")
+
+
+class RequestSettings(_Strict):
+    """Request-level serving (docs/serving-metrics.md): each device serves a queue of requests, each a fresh
+    generation of at most `max_new_tokens` tokens from a prompt of the prompt set."""
+
+    arrival: Literal["closed", "poisson", "trace"] = Field(
+        default="closed", description="closed: the next request as the previous completes; poisson: at "
+                                      "rate_per_s; trace: the arrival times in `trace`")
+    rate_per_s: float | None = Field(default=None, gt=0, description="poisson: requests per second per device")
+    trace: str | None = Field(default=None, description="trace: a file of arrival times (s), one per line, each "
+                                                        "optionally followed by the device's name")
+    count: int = Field(default=4, ge=1, le=100_000, description="requests per device (closed, poisson)")
+    prompts: str = Field(default="shipped", description="shipped (testbed/data/prompts.txt), a .txt or .jsonl "
+                                                        "file, or hf:DATASET[:SPLIT] (Hugging Face, offline)")
+    prompt_field: str = Field(default="prompt", description="the JSONL / dataset field holding the prompt text")
+    max_new_tokens: int = Field(default=32, ge=1, le=100_000, description="tokens generated per request at most")
+    seed: int | None = Field(default=None, ge=0, description="arrivals and prompt draws (default: the run's seed)")
+
+    @model_validator(mode="after")
+    def _arrival_inputs(self):
+        if self.arrival == "poisson" and self.rate_per_s is None:
+            raise ValueError("arrival: poisson needs rate_per_s (requests per second per device)")
+        if self.arrival != "poisson" and self.rate_per_s is not None:
+            raise ValueError(f"rate_per_s applies to arrival: poisson, not {self.arrival!r}")
+        if self.arrival == "trace" and not self.trace:
+            raise ValueError("arrival: trace needs trace: a file of arrival times")
+        if self.arrival != "trace" and self.trace:
+            raise ValueError(f"trace applies to arrival: trace, not {self.arrival!r}")
+        return self
 
 
 class SecuritySettings(_Strict):
@@ -185,20 +217,23 @@ INSECURE = "insecure"
 
 class Profile(_Strict):
     MAPPING_SCHEMAS: ClassVar[dict] = {"scenario": Scenario}  # the free-form scenario, checked by --set
-    name: str = "unnamed"
-    deployment: Literal["emulation", "lan"] = "emulation"
-    scenario: dict[str, Any]
+    name: str = Field("unnamed", description="the profile's name (in the run directory's name and meta.json)")
+    deployment: Literal["emulation", "lan"] = Field(
+        "emulation", description="emulation: every process on this host; lan: devices on other hosts")
+    scenario: dict[str, Any] = Field(description="the system model's parameters and devices (`scenario`, below)")
     endpoints: Endpoints = Endpoints()
     channel: ChannelSettings = ChannelSettings()
     model: ModelSettings = ModelSettings()
     sampling: SamplingSettings = SamplingSettings()
     estimator: EstimatorSettings = EstimatorSettings()
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, description="every random draw of the run (sampling, channel, policy)")
     rounds: int = Field(default=40, ge=1, description="rounds to run (the run also ends when every session is done)")
     max_new_tokens: int = Field(default=0, ge=0, description="per device session; 0 = no limit")
-    prompts: list[str] | None = None
-    prompts_file: str | None = None
-    policy: str = "proposed"
+    prompts: list[str] | None = Field(default=None, description="one per device, round robin (null: shipped)")
+    prompts_file: str | None = Field(default=None, description="a file of prompts, one per line")
+    # None: each device generates from one prompt for the whole run (as before); set: it serves requests.
+    requests: RequestSettings | None = None
+    policy: str = Field("proposed", description="a built-in policy or a plug-in (module:Class, entry point)")
     # Plug-in policies' parameters by policy name (each checked against the plug-in's Params at load; a compare
     # or campaign gives each plug-in its own): {NAME: {PARAM: VALUE}}.
     policy_params: dict[str, dict[str, Any]] = Field(default_factory=dict,
@@ -207,11 +242,15 @@ class Profile(_Strict):
     # plan that round without it (`fallback_policy`; the channel: the scenario's static gains), status degraded.
     on_plugin_error: Literal["stop", "fallback"] = "stop"
     fallback_policy: str = Field(default="all-dl", description="the built-in policy a round falls back to")
-    fixed_length: int = Field(default=4, ge=1)
+    fixed_length: int = Field(default=4, ge=1, description="the draft length of the fixed-length policy")
     deadline_s: float = Field(default=10.0, gt=0, description="a device's draft must arrive within this")
     max_misses: int = Field(default=2, ge=1, description="consecutive misses before a device leaves the session")
     max_invalid_payloads: int = Field(default=3, ge=1, description="drafts in a row whose distributions are not "
                                       "distributions (NaN, negative, ...) before the edge ends the device's session")
+    # Synchronous rounds (edge_node/bench.py): a device that misses this many rounds in a row is benched, rounds no
+    # longer wait for its draft until it drafts in time again; below max_misses, which would end its session first.
+    straggler_misses: int = Field(default=0, ge=0, description="consecutive misses before rounds stop waiting "
+                                  "for a device (it stays registered and rejoins once in time); 0: never")
     # Liveness (the ZeroMQ guide's Paranoid Pirate): a peer silent for liveness x heartbeat_s is gone. A slow
     # real link needs a window longer than its largest message's transfer (a TCP stall after a rate drop).
     heartbeat_s: float = Field(default=1.0, ge=0.01, le=3600, description="seconds between heartbeats")
@@ -288,6 +327,14 @@ class Profile(_Strict):
             self.scenario_obj(vocab_size=self.scenario.get("vocab_size") or 2)
         except ScenarioError as exc:
             raise ValueError(f"scenario: {exc}") from None
+        if self.straggler_misses and self.straggler_misses >= self.max_misses:
+            raise ValueError(f"straggler_misses: {self.straggler_misses} must be below max_misses "
+                             f"({self.max_misses}): the session would end before the device is benched")
+        if self.requests is not None and self.scenario.get("rounds") == "asynchronous":
+            raise ValueError("requests: serving requests needs synchronous rounds (scenario.rounds), not asynchronous")
+        if self.requests is not None and self.max_new_tokens:
+            raise ValueError(f"max_new_tokens: {self.max_new_tokens} is per session; with requests: set "
+                             f"requests.max_new_tokens instead (per request)")
         if self.scenario.get("rounds") == "asynchronous" and self.channel.mode == "virtual":
             # edge_node.async_rounds: the virtual clock reconstructs synchronous rounds only
             raise ValueError("scenario.rounds: asynchronous needs channel.mode real or passthrough, not virtual")
@@ -379,6 +426,14 @@ def _read_source(source: str | Path | dict | None) -> tuple[dict, str]:
     for key in ("prompts_file",):
         if data.get(key) and not Path(data[key]).is_absolute():
             data[key] = str((path.parent / data[key]).resolve())
+    req = data.get("requests")
+    if isinstance(req, dict):  # the trace and a prompt file, likewise
+        data["requests"] = req = dict(req)
+        for key in ("trace", "prompts"):
+            value = req.get(key)
+            if isinstance(value, str) and value != "shipped" and not value.startswith("hf:") \
+                    and not Path(value).expanduser().is_absolute():
+                req[key] = str((path.parent / value).resolve())
     sec = data.get("security")
     if isinstance(sec, dict) and isinstance(sec.get("keys"), str) and not Path(sec["keys"]).is_absolute():
         data["security"] = {**sec, "keys": str((path.parent / sec["keys"]).expanduser().resolve())}

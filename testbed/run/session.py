@@ -37,9 +37,9 @@ from edge_node.controller import Controller
 from edge_node.server import EdgeConfig, EdgeServer
 from edge_node.verifier import BatchedVerifier, load_target
 from testbed.analysis import report
-from testbed.analysis.runs_index import pid_alive
 from testbed.core import payload
 from testbed.core.scenario import Scenario
+from testbed.run.deadline import adapt_deadline
 from testbed.run.launcher import (
     COMPLETE,
     FAILED,
@@ -58,7 +58,7 @@ from testbed.run.profile import Profile, ProfileError, load_profile
 from testbed.runtime.errors import TestbedError
 from testbed.runtime.heap import keep_freed_memory
 from testbed.runtime.plugins import PluginFailure
-from testbed.runtime.processes import how_it_exited
+from testbed.runtime.processes import how_it_exited, pid_alive
 from testbed.runtime.records import RunRecorder, iter_rounds, load_progress, read_meta
 from testbed.runtime.security import EDGE_CLIENT, ClientKeys, SecurityError, ServerKeys, require_keys_or_insecure
 from testbed.runtime.waiting import busy_poll_wanted
@@ -96,6 +96,7 @@ class LiveSession:
     start_devices: bool  # start one device process per scenario device here
     bind: str | None  # the edge endpoint; None: the profile's, else a private ipc:// socket
     resume: Resume | None = None
+    request_prompts: list[list[int]] | None = None  # `requests:`: the prompt set's token ids
     # -- while running --
     recorder: RunRecorder | None = None
     launcher: Launcher | None = None
@@ -104,6 +105,10 @@ class LiveSession:
     channel: ChannelControl | None = None
     outputs: dict[str, dict] = field(default_factory=dict)  # latest progress per device (progress.jsonl)
     failure: dict | None = None  # a plug-in that raised (`PluginFailure.as_dict`): meta and summary keep it
+    pool: Any = None  # `testbed.run.warm.WarmPool`: the target and processes shared with other trials
+    warm: bool = False  # this trial runs on the pool's processes (started by an earlier trial)
+    say: Any = None  # callable(text): the start phases, as they begin (`progress`)
+    t_start: float = 0.0  # when the run opened (monotonic): the start phases count from it
 
     @property
     def names(self) -> list[str]:
@@ -138,13 +143,22 @@ def _utc_now() -> str:
 # --- building -------------------------------------------------------------------------------------------
 
 def build_session(profile: Profile, run_dir: Path, pair: dict, *, start_devices: bool | None = None,
-                  bind: str | None = None, resume: Resume | None = None) -> LiveSession:
-    """Load the pair and everything derived from the profile; starts no process and opens no socket."""
-    tokenizer = load_tokenizer(pair["tokenizer"])
+                  bind: str | None = None, resume: Resume | None = None, pool=None) -> LiveSession:
+    """Load the pair and everything derived from the profile; starts no process and opens no socket. With a
+    `pool` (`testbed.run.warm.WarmPool`) the target and tokenizer loaded for an earlier trial are reused."""
     texts = profile.prompt_list()
-    prompts = encode_prompts(tokenizer, texts)  # before the (slow) target: a bad prompt fails at once
-    verifier = BatchedVerifier(load_target(pair["target"], device=profile.model.device),
+
+    def target() -> BatchedVerifier:
+        return BatchedVerifier(load_target(pair["target"], device=profile.model.device),
                                device=profile.model.device, threads=profile.model.threads)
+
+    if pool is not None:
+        tokenizer, verifier = pool.tokenizer_and_verifier(profile, pair, target)
+        prompts = encode_prompts(tokenizer, texts)
+    else:
+        tokenizer = load_tokenizer(pair["tokenizer"])
+        prompts = encode_prompts(tokenizer, texts)  # before the (slow) target: a bad prompt fails at once
+        verifier = target()
     vocab = verifier.vocab_size
     if profile.on_air_vocab_size and profile.on_air_vocab_size < vocab:
         raise TestbedError(f"on_air_vocab_size: {profile.on_air_vocab_size} is smaller than the model's "
@@ -155,11 +169,18 @@ def build_session(profile: Profile, run_dir: Path, pair: dict, *, start_devices:
         raise TestbedError(f"scenario: top-k k={too_big[0]} (topk_k / topk_choices) exceeds the model's vocabulary "
                            f"{vocab}; use k <= {vocab}")
     hardware = load_device_hardware(profile, [d.name for d in scenario.devices])
+    request_prompts = None
+    if profile.requests is not None:  # the prompt set read and encoded now: a bad one fails before anything runs
+        from testbed.run.requests import load_prompt_set
+
+        request_prompts = encode_prompts(tokenizer, load_prompt_set(profile.requests.prompts,
+                                                                    profile.requests.prompt_field))
     if start_devices is None:
         start_devices = profile.start_devices and profile.deployment == "emulation"
     return LiveSession(profile=profile, run_dir=Path(run_dir), pair=pair, tokenizer=tokenizer, verifier=verifier,
                        scenario=scenario, hardware=hardware, controller=make_controller(profile, scenario, hardware),
-                       texts=texts, prompts=prompts, start_devices=start_devices, bind=bind, resume=resume)
+                       texts=texts, prompts=prompts, start_devices=start_devices, bind=bind, resume=resume,
+                       request_prompts=request_prompts, pool=pool)
 
 
 def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -211,6 +232,8 @@ def load_resume(run_dir: str | Path) -> tuple[Profile, Resume]:
         for rec in iter_rounds(run_dir):
             if isinstance(rec.get("round"), int):
                 last = rec["round"]
+    if profile.requests is not None:  # the requests' queues and clocks are not recovered
+        raise TestbedError(f"{what}: a run that served requests cannot be resumed; start a new run")
     if profile.scenario.get("rounds") == "asynchronous":  # per-device cycle counts are not recovered
         raise TestbedError(f"{what}: a run with asynchronous rounds cannot be resumed; start a new run")
     start = 0 if last is None else last + 1
@@ -259,12 +282,20 @@ def run_session(s: LiveSession, *, progress: bool = True, on_round=None, recorde
         open_run(s, recorder)
         try:
             check_endpoints(s)
+            phase(s, "calibrating the verification")
             calibrate_verification(s)
+            calibrate_topk(s)
+            phase(s, "starting the edge")
             start_edge(s)
+            phase(s, "the channel emulator")
             connect = start_channel(s)
+            phase(s, "the devices")
             start_devices(s, connect)
+            phase(s, f"waiting for {len(s.names)} device(s) to register")
             wait_for_devices(s)
+            phase(s, "ready: round 0")
             record_calibration(s)
+            adapt_deadline(s)  # a deadline the plan cannot meet: warned, adapted, recorded
             tally = run_rounds(s, progress, on_round)
             status, reason = outcome(s, tally)
             summary = finish(s, status, reason)
@@ -283,12 +314,18 @@ def run_session(s: LiveSession, *, progress: bool = True, on_round=None, recorde
 def open_run(s: LiveSession, recorder: RunRecorder | None = None) -> None:
     """The recorder, the process owner, the private socket folder, and meta.json (status running)."""
     s.recorder = recorder or RunRecorder(s.run_dir, sync_interval_s=s.profile.records_sync_interval_s)
-    s.launcher = Launcher(s.run_dir / "logs")
-    s.tmp = Path(tempfile.mkdtemp(prefix="ms-"))  # short paths: ipc:// names are limited to ~100 bytes
+    s.t_start = time.monotonic()
+    if s.pool is not None:  # the processes of an earlier trial, or a cold start the pool keeps afterwards
+        s.warm = s.pool.adopt(s)
+    else:
+        s.launcher = Launcher(s.run_dir / "logs")
+        s.tmp = Path(tempfile.mkdtemp(prefix="ms-"))  # short paths: ipc:// names are limited to ~100 bytes
     p = s.profile
     fields = dict(channel_mode=p.channel.mode, model=s.pair, vocab_size=s.vocab, run_dir=str(s.run_dir),
                   hardware={n: h.to_dict() for n, h in s.hardware.items()}, status="running", pid=os.getpid(),
                   security="keys" if p.keys_dir else "insecure" if p.insecure else "loopback only")
+    if s.pool is not None:  # which trial of its process, and whether it started its processes itself
+        fields["warm"] = {"trial": s.pool.trials, "reused_processes": s.warm}
     meta = s.recorder.read_meta()
     if s.resume is not None:
         fields["resumed"] = [*meta.get("resumed", []), {"at_utc": _utc_now(),
@@ -337,8 +374,38 @@ def calibrate_verification(s: LiveSession) -> None:
     from edge_node.calibration import calibrate_verification as timed
 
     prompts, _ = edge_prompts(s)
-    s.controller.calibrate_verify(timed(s.verifier, len(s.names), s.scenario.max_draft_len, prompts,
-                                        seed=s.profile.seed))
+
+    def measure() -> dict:
+        return timed(s.verifier, len(s.names), s.scenario.max_draft_len, prompts, seed=s.profile.seed)
+
+    if s.pool is not None:  # the same target on the same host: timed once per shape set
+        key = (len(s.names), s.scenario.max_draft_len, tuple(map(tuple, prompts)))
+        s.controller.calibrate_verify(dict(s.pool.calibration(key, measure)))
+    else:
+        s.controller.calibrate_verify(measure())
+
+
+def calibrate_topk(s: LiveSession) -> None:
+    """With `estimator.calibrate` and top-k options (`payload_format: topk`, `topk_choices`): measure alpha_k /
+    alpha per k with the run's draft model and target on the devices' prompts before round 0, the prior of
+    every k's acceptance (`edge_node.topk_calibration`)."""
+    ks = [k for k in payload.options(s.scenario) if k is not None]
+    if not s.profile.estimator.calibrate or not ks:
+        return
+    from device_node.drafter import OnnxDrafter
+    from edge_node.topk_calibration import calibrate_topk_acceptance
+    from testbed.core.sampling import SamplingParams
+
+    prompts, _ = edge_prompts(s)
+    try:  # the draft model on the edge's host: a LAN edge may not hold it
+        drafter = OnnxDrafter(s.pair["draft_onnx"])
+    except (KeyError, FileNotFoundError, ValueError) as exc:
+        log.warning("top-k acceptance not calibrated (%s): the scenario's topk_acceptance_ratio is the prior", exc)
+        s.controller.calibration["topk"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return
+    s.controller.calibrate_topk(calibrate_topk_acceptance(
+        drafter, s.verifier, prompts[:max(1, min(len(prompts), len(s.names)))], ks,
+        SamplingParams(**s.profile.sampling.model_dump()), draft_len=s.scenario.max_draft_len, seed=s.profile.seed))
 
 
 def calibration_entry(s: LiveSession) -> dict | None:
@@ -351,7 +418,7 @@ def calibration_entry(s: LiveSession) -> dict | None:
     v = cal.get("verify") or {}
     return {"draft_time_s": {n: cal["draft_time_s"].get(n) for n in s.names},
             "verify_t0_s": v.get("verify_t0_s"), "verify_t1_s": v.get("verify_t1_s"), "fit": v.get("fit"),
-            "shapes": v.get("shapes"), "took_s": v.get("took_s")}
+            "shapes": v.get("shapes"), "took_s": v.get("took_s"), "topk": cal.get("topk")}
 
 
 def record_calibration(s: LiveSession) -> None:
@@ -375,6 +442,11 @@ def start_edge(s: LiveSession) -> None:
         if exc.errno == zmq.EADDRINUSE and hp is not None:
             raise port_in_use("the edge's endpoint", bind, hp[1]) from None
         raise TestbedError(f"the edge's endpoint {bind}: {exc}") from None
+    if p.requests is not None:  # before any device registers: each idles until its first request
+        from testbed.run.requests import request_queues
+
+        s.server.requests = request_queues(p.requests, s.names, s.request_prompts, p.seed,
+                                           write=s.recorder.append_request)
     # A signal whose exception was swallowed still ends the run: the edge ticks in every wait, between
     # rounds too.
     s.server.check_stop = raise_if_interrupted
@@ -387,6 +459,11 @@ def start_channel(s: LiveSession) -> str:
     if p.channel.mode == "passthrough":
         return s.server.endpoint
     front, control = channel_endpoints(s)
+    if s.warm:  # the pool's emulator, as a fresh one: statistics, counters and links reset
+        s.channel.reset()
+        s.server.channel = s.channel
+        s.server.channel_exited = lambda: channel_exited(s)
+        return front
     # A wildcard bind is no address to connect to; on this host it is the loopback.
     edge = s.server.endpoint.replace("0.0.0.0", "127.0.0.1")
     # Only this process may reconfigure or stop the emulator: a fresh secret per run, handed over in the
@@ -431,7 +508,9 @@ def start_devices(s: LiveSession, connect: str) -> None:
     s.launcher.device_connect = connect  # on_round callbacks start replacement devices there
     s.launcher.keys_dir = s.profile.keys_dir
     s.launcher.busy_poll = s.busy_poll and s.profile.devices_per_process == 1  # a shared process never spins
-    if s.start_devices:
+    if s.warm:  # the pool's device processes wait for this: their devices register again
+        s.pool.signal_next_run()
+    elif s.start_devices:
         s.launcher.start_devices(connect, s.pair["draft_onnx"], device_specs(s),
                                  per_process=s.profile.devices_per_process)
     # What to look for if this process is killed; which process runs which device.
@@ -453,10 +532,14 @@ def wait_for_devices(s: LiveSession) -> None:
     deadline = time.monotonic() + wait_s
     # Fatal errors devices sent the edge (e.g. "cannot load its model"): name -> reason, if the edge keeps them.
     told = s.server.device_errors
+    registered = 0
     while True:
         missing = s.server.wait_for_devices(s.names, max(0.0, min(1.0, deadline - time.monotonic())))
         if not missing or time.monotonic() >= deadline:
             break
+        if len(s.names) - len(missing) != registered:  # the start phase's progress, each second
+            registered = len(s.names) - len(missing)
+            phase(s, f"{registered}/{len(s.names)} device(s) registered")
         procs = s.launcher.procs
         if all(n in told or (s.start_devices and procs[s.launcher.device_label(n)].poll() is not None)
                for n in missing):
@@ -550,6 +633,15 @@ def run_from(server: EdgeServer, start: int, rounds: int, on_round) -> None:
 def outcome(s: LiveSession, tally: RoundTally) -> tuple[str, str]:
     """(status, reason) of a run whose loop ended normally."""
     rounds, n = s.profile.rounds, tally.count
+    queues = s.server.requests
+    if queues is not None and (queues.all_done or s.server.sessions):
+        served = sum(1 for r in queues.done if r.get("finished"))
+        left = sum(len(q) for q in queues.waiting.values()) + len(queues.serving)
+        if queues.all_done:
+            return COMPLETE, f"every request served ({served} requests, {n} rounds)"
+        ran_out = tally.last is not None and tally.last["round"] + 1 >= rounds
+        why = "the rounds ran out" if ran_out else "their devices left"
+        return COMPLETE, f"{served} requests served, {left} not ({why}; requests.jsonl has each)"
     if s.scenario.rounds == "asynchronous" and n:  # `round` counts the cycles of all devices
         if s.server.sessions and all(x.done for x in s.server.sessions.values()):
             return COMPLETE, f"every device session finished (max_new_tokens) after {n} cycles"
@@ -591,6 +683,8 @@ def degraded(status: str, reason: str, summary: dict) -> tuple[str, str]:
 def finish(s: LiveSession, status: str, reason: str) -> dict:
     """End the device sessions; write outputs.json and summary.json (from rounds.jsonl: the whole run, a
     resumed one's earlier part too); returns the summary."""
+    if s.server.requests is not None:
+        s.server.requests.close()  # those not finished are recorded as such
     outputs = session_outputs(s, s.server.finish("run complete" if status == COMPLETE else f"run {status}"))
     if status != COMPLETE and s.outputs:
         # A run that did not complete keeps the tokens of its recorded rounds: a resume reruns the round in
@@ -604,16 +698,29 @@ def finish(s: LiveSession, status: str, reason: str) -> dict:
     status, reason = degraded(status, reason, summary)
     summary.update(status=status, reason=reason, rounds_requested=s.profile.rounds,
                    refused_messages=s.server.refused, refusals=dict(s.server.refusals))
+    add_serving(summary, s)
     if (calibration := calibration_entry(s)) is not None:
         summary["calibration"] = calibration
     if s.channel is not None and not channel_down(s):
         try:
             summary["channel_stats"] = s.channel.stats()
-            s.channel.stop()
+            if s.pool is None:  # a pool's emulator serves the next trial, or the pool stops it
+                s.channel.stop()
         except (TimeoutError, RuntimeError) as exc:
             log.warning("channel emulator: %s", exc)
     s.recorder.write_summary(summary)
     return summary
+
+
+def add_serving(summary: dict, s: LiveSession) -> None:
+    """summary.json's `serving` (`testbed.analysis.serving`) from requests.jsonl, for a run that served requests."""
+    if s.profile.requests is None:
+        return
+    from testbed.analysis import serving
+    from testbed.runtime.records import load_requests
+
+    summary["serving"] = serving.summarize(load_requests(s.run_dir))
+    summary["serving_settings"] = s.profile.requests.model_dump(mode="json")
 
 
 def save_progress(s: LiveSession, round_index: int | None) -> None:
@@ -638,8 +745,11 @@ def session_outputs(s: LiveSession, sessions: dict, *, text: bool = True) -> dic
                  "prompt_tokens": len(s.prompts[i % len(s.prompts)]), "output_tokens": len(ids), "output_ids": ids,
                  "rounds": prior.get("rounds", 0) + x.rounds,
                  "accepted": prior.get("accepted", 0) + x.accepted, "drafted": prior.get("drafted", 0) + x.drafted,
-                 "hardware": x.hardware}
+                 "hardware": x.hardware, "clock": getattr(x, "clock", None)}  # its clock's offset to the edge's
         entry["acceptance"] = entry["accepted"] / entry["drafted"] if entry["drafted"] else None
+        if s.profile.requests is not None:  # serving requests: the device's latest request (requests.jsonl: all)
+            entry["prompt_tokens"] = len(x.prompt_ids)
+            entry["prompt"] = s.tokenizer.decode(list(x.prompt_ids))
         if text:
             entry["text"] = s.tokenizer.decode(ids)
         out[n] = entry
@@ -663,7 +773,7 @@ def abort_run(s: LiveSession, status: str, reason: str) -> None:
         try:
             s.recorder.write_outputs(session_outputs(s, s.server.finish(f"run {status}: {reason}")))
         except Exception as exc:  # the disk that stopped the run may refuse this too
-            log.error("while stopping the run (outputs): %s", exc)
+            stop_error(reason, "outputs", exc)
     summary: dict = {}
     try:
         summary = report.summarize(list(iter_rounds(s.run_dir)))
@@ -673,8 +783,11 @@ def abort_run(s: LiveSession, status: str, reason: str) -> None:
         if s.server is not None:
             summary["refused_messages"] = s.server.refused
             summary["refusals"] = dict(s.server.refusals)
+            if s.server.requests is not None:
+                s.server.requests.close()
+                add_serving(summary, s)
     except Exception as exc:
-        log.error("while stopping the run (summary): %s", exc)
+        stop_error(reason, "summary", exc)
     # An emulator known dead (the reason the run stopped, perhaps) has none: asking would wait out a timeout.
     if s.channel is not None and not channel_down(s):
         try:
@@ -682,6 +795,12 @@ def abort_run(s: LiveSession, status: str, reason: str) -> None:
         except Exception as exc:  # best effort while stopping: nothing here may hide why the run stopped
             log.warning("channel emulator stats: %s", exc)
     s.recorder.end_run(status, reason, summary, **({"plugin_failure": s.failure} if s.failure else {}))
+
+
+def stop_error(reason: str, what: str, exc: BaseException) -> None:
+    """A write that failed while stopping the run: the error that stopped it (a full disk refusing these writes
+    too) is said once, by the command's error line, so the same error again is logged at INFO; another at ERROR."""
+    log.log(logging.INFO if str(exc) in reason else logging.ERROR, "while stopping the run (%s): %s", what, exc)
 
 
 def close_run(s: LiveSession, status: str, reason: str, finished: bool) -> None:
@@ -693,17 +812,41 @@ def close_run(s: LiveSession, status: str, reason: str, finished: bool) -> None:
     finally:
         if s.server is not None:
             s.server.close()
-        if s.channel is not None:
-            s.channel.close()
-        # Devices here reach the edge through the emulator: with it dead no bye reaches them, so no waiting
-        # (a finished run stopped its emulator itself, after the bye).
-        codes = s.launcher.stop_all(grace_s=0.0 if not finished and channel_down(s) else 5.0)
+        if s.pool is not None and s.pool.keep(s, finished):  # the next trial's: still running
+            codes = {label: None for label in s.launcher.procs}
+        else:
+            codes = stop_processes(s, finished)
+        if s.pool is not None:  # this trial's part of the pool's process logs, into its logs/
+            s.pool.copy_logs(s)
         try:
             s.recorder.update_meta(processes=codes, status=status, reason=reason,
                                    ended_utc=_utc_now())
         except TestbedError as exc:
-            log.error("%s", exc)
+            stop_error(reason, "meta.json", exc)
         s.recorder.close()
-        shutil.rmtree(s.tmp, ignore_errors=True)
-        if status != COMPLETE:  # degraded too: rounds fell back
-            log.warning("run %s: %s (%s)", status, reason, s.run_dir)
+        if s.tmp is not None and (s.pool is None or s.tmp != s.pool.tmp):
+            shutil.rmtree(s.tmp, ignore_errors=True)
+        if status != COMPLETE:  # the command says it in its one line (`multispin run: error: ...`): INFO here
+            log.info("run %s: %s (%s)", status, reason, s.run_dir)
+
+
+def stop_processes(s: LiveSession, finished: bool) -> dict:
+    """Stop the emulator and every process the run started; their exit statuses."""
+    if s.pool is not None and s.channel is not None and not channel_down(s):
+        try:  # a pool's emulator was not stopped at the end of the run (`finish`)
+            s.channel.stop()
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("channel emulator: %s", exc)
+    if s.channel is not None:
+        s.channel.close()
+    # Devices here reach the edge through the emulator: with it dead no bye reaches them, so no waiting
+    # (a finished run stopped its emulator itself, after the bye); a warm pool's devices wait for the next run
+    # after the bye instead of leaving.
+    quick = (not finished and channel_down(s)) or s.launcher.serve_runs
+    return s.launcher.stop_all(grace_s=0.0 if quick else 5.0)
+
+
+def phase(s: LiveSession, text: str) -> None:
+    """A start phase as it begins, with the seconds since the run opened (`say`, with `progress`)."""
+    if s.say is not None:
+        s.say(f"start {time.monotonic() - s.t_start:5.1f} s: {text}")

@@ -36,3 +36,18 @@ def keep_freed_memory(mmap_mib: int = 64, trim_mib: int = 256) -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = bool(mallopt(_M_MMAP_THRESHOLD, mmap_mib << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_mib << 20))
     return _done
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free memory back to the kernel now (glibc's malloc_trim): after a burst that freed much
+    (a flood of refused messages), so that what `keep_freed_memory` keeps does not stay the process's size.
+    Returns whether anything was released (False off glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return False
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

@@ -65,3 +65,19 @@ def how_it_exited(proc: subprocess.Popen) -> str | None:
         return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
     except ValueError:
         return f"killed by signal {-code}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (one of another user counts; a zombie, which has
+    exited and waits for its parent to reap it, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS), or it exited meanwhile
+        return True

@@ -285,6 +285,7 @@ class RunRecorder:
         self._syncer: _Syncer | None = None
         self._progress_log: _JsonLines | None = None  # opened by the first write_progress
         self._progress_sent: dict[str, dict] = {}  # device -> its entry as the progress log has it
+        self._requests_log: _JsonLines | None = None  # requests.jsonl, opened by the first append_request
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._rounds_log = _JsonLines(self.dir / "rounds.jsonl")
@@ -343,6 +344,16 @@ class RunRecorder:
         self._sync_due()
         self.write_s += time.perf_counter() - t
 
+    def append_request(self, record: dict) -> None:
+        """requests.jsonl: one served request's record (`edge_node.requests`) as one complete line."""
+        try:
+            if self._requests_log is None:
+                self._requests_log = _JsonLines(self.dir / REQUESTS_LOG)
+            self._requests_log.append((_line(record) + "\n").encode())
+        except OSError as exc:
+            raise unwritable(self.dir, exc) from None
+        self._sync_due()
+
     def write_outputs(self, outputs: dict) -> None:
         self._write(self.dir / "outputs.json", outputs)
 
@@ -374,7 +385,7 @@ class RunRecorder:
         self.write_s += time.perf_counter() - t
 
     def _logs(self) -> list[_JsonLines]:
-        return [lines for lines in (self._rounds_log, self._progress_log) if lines is not None]
+        return [lines for lines in (self._rounds_log, self._progress_log, self._requests_log) if lines is not None]
 
     def _sync_due(self) -> None:
         if self.sync_interval_s is None:
@@ -409,8 +420,8 @@ class RunRecorder:
                       lambda: self.update_meta(status=status, reason=reason, ended_utc=_now(), **meta)):
             try:
                 write()
-            except TestbedError as exc:
-                log.error("%s", exc)
+            except TestbedError as exc:  # the same error as the one that stopped the run: said once, by it
+                log.log(logging.INFO if str(exc) in reason else logging.ERROR, "%s", exc)
 
     def _write(self, path: Path, obj: Any) -> None:
         self.sync()  # meta.json, outputs.json, summary.json never claim more than the logs durably hold
@@ -427,12 +438,13 @@ class RunRecorder:
             self.sync()
         except TestbedError as exc:
             log.error("%s", exc)
-        for lines in (self._rounds_log, self._progress_log):
+        for lines in (self._rounds_log, self._progress_log, self._requests_log):
             if lines is not None:
                 lines.close()
 
 
 PROGRESS_LOG = "progress.jsonl"
+REQUESTS_LOG = "requests.jsonl"  # one line per served request (runs with `requests:`)
 LEGACY_PROGRESS = "progress.json"  # earlier releases: a snapshot rewritten after every round
 
 
@@ -557,6 +569,12 @@ def _json_lines(path: Path) -> Iterator[Any]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+def load_requests(run_dir: str | Path) -> list[dict]:
+    """The request records of a run that served requests (requests.jsonl), [] for one that did not."""
+    path = Path(run_dir) / REQUESTS_LOG
+    return [r for r in _json_lines(path) if isinstance(r, dict)] if path.is_file() else []
 
 
 def read_meta(run_dir: str | Path, what: str) -> dict:

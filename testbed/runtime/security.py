@@ -50,10 +50,73 @@ def is_loopback(endpoint: str) -> bool:
     return endpoint.startswith(LOOPBACK_PREFIXES)
 
 
+MAX_NAME_CHARS = 64  # as a `register.name` (testbed.wire.messages)
+
+
 def _check_name(name: str) -> str:
-    if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
-        raise SecurityError(f"client name {name!r}: use letters, digits, '-', '_' or '.'")
+    if (not name or len(name) > MAX_NAME_CHARS or not name.isascii() or name.startswith(".")
+            or not all(c.isalnum() or c in "-_." for c in name)):
+        raise SecurityError(f"client name {name!r}: use 1-{MAX_NAME_CHARS} ASCII letters, digits, '-', '_' or '.' "
+                            "(not first), as in the profile")
     return name
+
+
+def check_device_names(names: list[str]) -> list[str]:
+    """`names` as given, each valid, none twice, none reserved: else a SecurityError naming the culprits."""
+    for name in names:
+        _check_name(name)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SecurityError(f"device names {', '.join(twice)} given more than once; each device needs its own key")
+    clash = sorted(set(names) & set(RESERVED))
+    if clash:
+        raise SecurityError(f"device names {clash} are reserved for the testbed's own clients")
+    return names
+
+
+def device_names(keys_dir: str | Path) -> list[str]:
+    """The devices a key directory admits (its authorized keys, the testbed's own clients left out)."""
+    auth = Path(keys_dir) / "authorized"
+    if not (Path(keys_dir) / "server.key_secret").is_file() or not auth.is_dir():
+        raise SecurityError(f"{keys_dir}: not a key directory (make one with `multispin keys generate`)")
+    return sorted(f.stem for f in auth.glob("*.key") if f.stem not in RESERVED)
+
+
+def add_devices(keys_dir: str | Path, names: list[str]) -> dict[str, Path]:
+    """Key pairs for new devices in an existing key directory (the others keep theirs); refuses names it has."""
+    check_device_names(names)
+    have = sorted(set(names) & set(device_names(keys_dir)))
+    if have:
+        raise SecurityError(f"{keys_dir} has keys for {', '.join(have)} already (`keys generate --force` replaces "
+                            "every key)")
+    server_pub = Path(keys_dir) / "server.key"
+    return {name: _client_bundle(Path(keys_dir), name, server_pub) for name in names}
+
+
+def revoke_devices(keys_dir: str | Path, names: list[str]) -> None:
+    """Take devices' keys out of a key directory: the edge refuses them from its next start."""
+    check_device_names(names)
+    unknown = sorted(set(names) - set(device_names(keys_dir)))
+    if unknown:
+        raise SecurityError(f"{keys_dir} has no keys for {', '.join(unknown)}; it has: "
+                            f"{', '.join(device_names(keys_dir)) or 'none'}")
+    import shutil
+
+    for name in names:
+        (Path(keys_dir) / "authorized" / f"{name}.key").unlink()
+        shutil.rmtree(Path(keys_dir) / "clients" / name, ignore_errors=True)
+
+
+def _client_bundle(out: Path, name: str, server_pub: Path) -> Path:
+    """DIR/clients/<name>/ (its pair and the server's public key) and DIR/authorized/<name>.key."""
+    bundle = out / "clients" / name
+    bundle.mkdir(parents=True, exist_ok=True)
+    pub, _ = zmq.auth.create_certificates(bundle, "client", metadata={"name": name})
+    (bundle / "server.key").write_bytes(server_pub.read_bytes())
+    (out / "authorized" / f"{name}.key").write_bytes(Path(pub).read_bytes())
+    for secret in bundle.glob("*.key_secret"):
+        secret.chmod(0o600)
+    return bundle
 
 
 def generate_keys(out_dir: str | Path, devices: list[str], *, force: bool = False) -> dict[str, Path]:
@@ -62,10 +125,7 @@ def generate_keys(out_dir: str | Path, devices: list[str], *, force: bool = Fals
     Refuses to overwrite an existing server key unless `force`: replacing it locks out every device.
     """
     out = Path(out_dir)
-    names = [_check_name(n) for n in devices]
-    clash = sorted(set(names) & set(RESERVED))
-    if clash:
-        raise SecurityError(f"device names {clash} are reserved for the testbed's own clients")
+    names = check_device_names(list(devices))
     if (out / "server.key_secret").exists() and not force:
         raise SecurityError(f"{out / 'server.key_secret'} exists; pass --force to replace every key")
     authorized, clients = out / "authorized", out / "clients"
@@ -74,12 +134,7 @@ def generate_keys(out_dir: str | Path, devices: list[str], *, force: bool = Fals
     server_pub, _ = zmq.auth.create_certificates(out, SERVER)
     paths = {SERVER: out}
     for name in [*names, EDGE_CLIENT, CHANNEL_CLIENT]:
-        bundle = clients / name
-        bundle.mkdir(exist_ok=True)
-        pub, _ = zmq.auth.create_certificates(bundle, "client", metadata={"name": name})
-        (bundle / "server.key").write_bytes(Path(server_pub).read_bytes())
-        (authorized / f"{name}.key").write_bytes(Path(pub).read_bytes())
-        paths[name] = bundle
+        paths[name] = _client_bundle(out, name, Path(server_pub))
     for secret in out.rglob("*.key_secret"):
         secret.chmod(0o600)
     return paths
@@ -153,13 +208,15 @@ class _NamedKeyAuthenticator(ThreadAuthenticator):
         return self.names[client_public_key]
 
     def callback(self, domain: str, z85_key: bytes) -> bool:  # the credentials provider's hook
+        # Info only: the socket's handshake watch (`testbed.runtime.handshake_watch`) warns, with the peer's
+        # address and one line per peer per interval, where this would be one line per attempt.
         name = self.names.get(z85.decode(z85_key))
         if name is None:
-            log.warning("refused a CURVE client with an unlisted key %s...", bytes(z85_key[:10]).decode())
+            log.info("refused a CURVE client with an unlisted key %s...", bytes(z85_key[:10]).decode())
             return False
         if domain.startswith(ADMIT_DOMAIN) and name not in domain[len(ADMIT_DOMAIN):].split(","):
-            log.warning("refused the CURVE key of %r on a socket that admits only %s", name,
-                        domain[len(ADMIT_DOMAIN):])
+            log.info("refused the CURVE key of %r on a socket that admits only %s", name,
+                     domain[len(ADMIT_DOMAIN):])
             return False
         return True
 

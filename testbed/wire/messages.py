@@ -38,7 +38,7 @@ from testbed.wire import sparse, validate
 from testbed.wire.protocol import ProtocolError
 
 MESSAGE_TYPES = (P.REGISTER, P.REGISTERED, P.ERROR, P.SCHEDULE, P.DRAFT, P.VERDICT, P.REPORT, P.BYE,
-                 P.HEARTBEAT, P.PROBE, P.PROBE_ECHO)
+                 P.HEARTBEAT, P.PROBE, P.PROBE_ECHO, P.CLOCK)
 
 # Bounds of what a peer may send. Beyond them a value is a bug or an attack, never a real run; inside them
 # every later use (numpy int64, sums of seconds in the controller, buffers sized by V or L) stays finite.
@@ -210,7 +210,8 @@ def _channel(header: dict, name: str, fields: dict[str, tuple] = CHANNEL_FIELDS,
 # What a device may say it understands (`register.features`); the edge uses a feature only with devices that
 # listed it, so devices of an older release keep working.
 SCHEDULE_IN_VERDICT = "schedule_in_verdict"  # the next round's schedule inside a verdict (`verdict.next`)
-FEATURES = (SCHEDULE_IN_VERDICT,)
+CLOCK_OFFSET = "clock_offset"  # it measures its clock's offset after `registered.clock` (`clock` messages)
+FEATURES = (SCHEDULE_IN_VERDICT, CLOCK_OFFSET)
 MAX_FEATURES = 16
 
 
@@ -266,6 +267,50 @@ def parse_register(header: dict) -> Registration:
                         draft_time)
 
 
+# --- clock offset (`testbed.runtime.clock_offset`) ------------------------------------------------------------
+
+# `clock.result`: (type, lo, hi) of each field. An offset beyond ten years is a clock never set, not a LAN.
+CLOCK_FIELDS = {"offset_s": (float, -3.2e8, 3.2e8), "rtt_s": (float, 0.0, 3600.0), "exchanges": (int, 1, 64)}
+# A clock exchange's timestamps (`clock.t0`, `t1`, `t2`): wall-clock seconds since the epoch, finite.
+CLOCK_STAMP_RANGE = (0.0, 1e11)
+
+
+def _clock_result(raw: Any) -> dict:
+    """clock.result: an object of CLOCK_FIELDS within their bounds."""
+    where = "clock.result"
+    if not isinstance(raw, dict) or set(raw) != set(CLOCK_FIELDS):
+        raise ProtocolError(f"{where}: {P.show(raw)} is not allowed; must be an object of {', '.join(CLOCK_FIELDS)}")
+    return {key: _value(f"{where}.{key}", raw[key], kind, f"a {kind.__name__} in [{lo:g}, {hi:g}]", lo, hi)
+            for key, (kind, lo, hi) in CLOCK_FIELDS.items()}
+
+
+def clock_request(t0: float) -> list:
+    """Device -> edge: one clock exchange, sent at `t0` on the device's wall clock (registered or not: any peer
+    may ask; the edge answers at once). A device starts its exchanges when `registered.clock` is true."""
+    return P.encode({"type": P.CLOCK, "t0": float(t0)})
+
+
+def clock_result(offset_s: float, rtt_s: float, exchanges: int) -> list:
+    """Device -> edge, after its exchanges: the min-RTT sample's offset (edge - device clock) and round trip."""
+    return P.encode({"type": P.CLOCK, "result": {"offset_s": float(offset_s), "rtt_s": float(rtt_s),
+                                                 "exchanges": int(exchanges)}})
+
+
+def clock_reply(t0: float, t1: float, t2: float) -> list:
+    """Edge -> device: the request's `t0` echoed, its arrival `t1` and this reply's sending `t2` (edge clock)."""
+    return P.encode({"type": P.CLOCK, "t0": float(t0), "t1": float(t1), "t2": float(t2)})
+
+
+def parse_clock(header: dict, *, reply: bool) -> tuple[float, ...] | dict:
+    """A request's (t0,), a device's result (a dict of CLOCK_FIELDS), or with `reply` an edge's (t0, t1, t2):
+    timestamps are finite epoch seconds in CLOCK_STAMP_RANGE."""
+    if not reply and isinstance(header, dict) and header.get("result") is not None:
+        return _clock_result(header["result"])
+    lo, hi = CLOCK_STAMP_RANGE
+    names = ("t0", "t1", "t2") if reply else ("t0",)
+    return tuple(_field(header, n, float, f"wall-clock seconds in [{lo:g}, {hi:g}]", lo=lo, hi=hi) for n in names)
+
+
 # Known hardware fields and their types; other scalar fields pass (a device may describe itself more).
 HARDWARE_FIELDS: dict[str, tuple] = {"name": (str, None, None), "description": (str, None, None),
                                      "compute_scale": (float, 0.0, 1e6), "threads": (int, 1, 4096)}
@@ -300,7 +345,7 @@ def _hardware(raw: Any) -> dict:
 
 def registered(session: str, prompt_ids: list[int], *, seed: int, sampling: dict, bits_per_prob: int,
                on_air_vocab_size: int | None, max_draft_len: int, tx_marker: bool = True,
-               heartbeat_s: float | None = None, liveness: int | None = None) -> list:
+               heartbeat_s: float | None = None, liveness: int | None = None, clock: bool = False) -> list:
     # tx_marker: whether a channel emulator sits in between (then markers absorb the transfer time).
     """Edge -> device reply to `register`: session id, seed, sampling parameters, b_p, on-air V, L_max and
     tx_marker; the prompt as an int32 array. `heartbeat_s` and `liveness` (sent when given): the edge's
@@ -312,6 +357,8 @@ def registered(session: str, prompt_ids: list[int], *, seed: int, sampling: dict
         header["heartbeat_s"] = float(heartbeat_s)
     if liveness is not None:
         header["liveness"] = int(liveness)
+    if clock:  # the edge answers `clock` exchanges (an older edge would refuse them): the device measures
+        header["clock"] = True
     return P.encode(header, {"prompt_ids": np.asarray(prompt_ids, dtype=np.int32)})
 
 
@@ -329,6 +376,7 @@ class Registered:
     tx_marker: bool
     heartbeat_s: float = DEFAULT_HEARTBEAT_S   # the edge's heartbeat period (s)
     liveness: int = DEFAULT_LIVENESS           # silent periods after which a peer counts as dead
+    clock: bool = False                        # the edge answers `clock` exchanges
 
 
 def parse_registered(header: dict, arrays: dict, *, vocab_size: int | None = None) -> Registered:
@@ -365,7 +413,8 @@ def parse_registered(header: dict, arrays: dict, *, vocab_size: int | None = Non
     return Registered(session, ids.tolist(), seed, sampling, bits, on_air, max_len,
                       True if tx_marker is None else tx_marker,
                       DEFAULT_HEARTBEAT_S if heartbeat is None else heartbeat,
-                      DEFAULT_LIVENESS if liveness is None else liveness)
+                      DEFAULT_LIVENESS if liveness is None else liveness,
+                      bool(_field(header, "clock", bool, "true or false", optional=True)))
 
 
 def _sampling(raw: Any) -> dict:

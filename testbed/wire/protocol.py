@@ -384,6 +384,7 @@ BYE = "bye"
 HEARTBEAT = "heartbeat"  # either way, when a peer has sent nothing else for one heartbeat period
 PROBE = "probe"            # edge -> device: a rate probe of a real link (`channel.measure_links`)
 PROBE_ECHO = "probe_echo"  # device -> edge: its answer, sent at once
+CLOCK = "clock"  # device -> edge -> device: one NTP-style exchange of timestamps before registering
 # The padding a probe or echo may carry either way, and the reply a probe may ask for: a device allocates
 # at most this for its echoes, whatever the edge asks (here, not in messages.py: profiles check against it
 # without importing numpy).

@@ -20,7 +20,7 @@ from testbed.core import model
 from testbed.core.optimizer import plan
 from testbed.core.scenario import Scenario
 from testbed.run.profile import ProfileError, load_profile
-from testbed.runtime.link_estimate import LinkEstimator, fit_line
+from testbed.runtime.link_estimate import GROUP_RECENT, LinkEstimator, fit_line
 from testbed.wire import messages as M
 
 TRACES = PROFILES_DIR / "traces"
@@ -219,7 +219,7 @@ def test_the_estimate_follows_a_link_whose_rate_changes():
     sizes = [400, 130_000, 262_000, 393_000]
     est = LinkEstimator(window=40)
     for rate in (20e6, 4e6, 20e6):  # a tbf limit lowered, then lifted, mid-run
-        for k in range(4 * 4):  # each size group sees 4 messages at the new rate (GROUP_RECENT)
+        for k in range(GROUP_RECENT * 4):  # each size group sees GROUP_RECENT messages at the new rate
             s = sizes[k % 4]
             est.observe("d", "ul", s, 0.004 + 8 * s / rate + rng.expovariate(2000.0))
         assert est.rates("d")["ul"] == pytest.approx(rate, rel=0.05)

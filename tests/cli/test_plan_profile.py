@@ -67,3 +67,38 @@ def test_channel_rounds_take_the_profiles_policy_and_compute_scale(capsys):
     assert d["stderr_goodput_tps"] is not None
     assert _plan(capsys, "emulation", "--channel-rounds", "2", "--set", "policy=all-dl",
                  "--policy", "all-ul")["policy"] == "all-ul"
+
+
+def _simulate_row(tmp_path, *argv) -> tuple[dict, dict]:
+    import csv
+
+    out = tmp_path / "sim"
+    assert main(["simulate", *argv, "--sweep", "bits_per_prob=16", "--drops", "1", "--jobs", "1", "--no-progress",
+                 "--out", str(out)]) == 0
+    with open(out / "results.csv") as fh:
+        (row,) = list(csv.DictReader(fh))
+    return row, json.loads((out / "meta.json").read_text())
+
+
+@pytest.mark.parametrize("policy", ["proposed", "fixed-length"])
+def test_simulate_predicts_the_round_plan_predicts_with_compute_scale(capsys, tmp_path, policy):
+    # the profile's hardware slows dev1..dev3 (compute_scale 1.5, 3, 5): simulate plans what plan plans
+    sets = ["--set", f"policy={policy}", "--set", "scenario.uplink_bandwidth_hz=1e5"]
+    d = _plan(capsys, "emulation", *sets, "--policy", policy)
+    row, meta = _simulate_row(tmp_path, "emulation", *sets, "--policies", policy)
+    assert float(row["round_time_s"]) == pytest.approx(d["round_time_s"], rel=1e-9)
+    assert float(row["goodput_tps"]) == pytest.approx(d["goodput_tps"], rel=1e-9)
+    assert meta["compute_scale"] == {n: x for n, x in SCALES.items() if x != 1.0}
+    unscaled = {x["name"]: x["draft_time_s"] for x in meta["scenario"]["devices"]}
+    assert unscaled["dev3"] == pytest.approx(0.001 * 5)  # the scenario simulated is the scaled one
+    # a scenario file has no hardware: nothing scaled
+    _, meta = _simulate_row(tmp_path / "file", "default", "--policies", policy)
+    assert meta["compute_scale"] == {}
+
+
+def test_plan_warns_when_a_top_k_options_acceptance_loss_is_not_given(capsys):
+    sets = ["--set", "scenario.topk_choices=[16,64]"]
+    assert main(["plan", "emulation", *sets, "--set", "scenario.topk_acceptance_ratio={16: 0.56}"]) == 0
+    assert "warning: top-k k=64: no topk_acceptance_ratio" in capsys.readouterr().err
+    assert main(["plan", "emulation", *sets, "--set", "scenario.topk_acceptance_ratio={16: 0.56, 64: 0.73}"]) == 0
+    assert "topk_acceptance_ratio" not in capsys.readouterr().err

@@ -293,3 +293,163 @@ def test_greedy_shortcuts_take_the_same_steps(monkeypatch, options):
         assert a[:3] == b[:3]
         if len(a) > 3:
             assert b[3] == pytest.approx(a[3], rel=1e-12)
+
+
+@pytest.mark.parametrize("options", [{}, {"verify_batch": "padded"}, {"dl_provisioning": "expected"},
+                                     {"ul_access": "fdma_shared"},
+                                     {"ul_access": "fdma_shared", "verify_batch": "padded"},
+                                     {"ul_access": "fdma_shared", "ul_min_share": 0.5}])
+@pytest.mark.parametrize("groups", [0, 64])
+def test_fast_fill_rows_and_shared_increments_match_the_previous_algorithm(monkeypatch, options, groups):
+    """Issue 36's fast paths (fill rows bounded by one sorted sweep and scored as increments of one row per
+    pattern, `_fill_rows_sparse`; a shared uplink's increments bounded by Newton steps on demand tables,
+    `SharedModes.neighbors`) against the previous algorithm, every candidate and fill row scored in full:
+    the same plan, the same goodput within 1e-9 relative. groups=0: every fill row by the chunked bound."""
+    rng = np.random.default_rng(36 + len(options))
+    cases = [(int(n), trial) for trial, n in enumerate(rng.integers(2, 70, size=5))]
+
+    def plans(fast: bool):
+        monkeypatch.setattr(optimizer, "_INCREMENTAL_MIN_N", 0 if fast else 10 ** 9)
+        monkeypatch.setattr(optimizer, "_BOUNDED_MIN_ROWS", 0 if fast else 10 ** 9)
+        monkeypatch.setattr(optimizer, "_SPARSE_FILL_MIN_N", 0 if fast else 10 ** 9)
+        monkeypatch.setattr(optimizer, "_FILL_GROUPS_MAX", groups)
+        out = []
+        for n, trial in cases:
+            sc = mixed_drop(n, 360 + trial, **options)
+            for policy in ("proposed", "all-dl", "all-ul", "multispin-heterogeneous"):
+                p = plan(sc, policy)
+                out.append((policy, n, p.modes, list(p.draft_lens), p.goodput_tps))
+        return out
+
+    for a, b in zip(plans(False), plans(True)):
+        assert a[:4] == b[:4]
+        assert b[4] == pytest.approx(a[4], rel=1e-9)
+
+
+@pytest.mark.parametrize("options", [{}, {"ul_protocol": "lazy"}, {"ul_access": "fdma_shared"}])
+def test_compact_prefix_modes_are_the_dense_modes(options):
+    """`prefix_neighbors(..., compact=True)` (the greedy's modes without a (C, N) array, issue 36): its rows, its
+    modes at given pairs, its most common mode per device and the pairs that differ from it are exactly those of
+    the dense array."""
+    rng = np.random.default_rng(361)
+    checked = 0
+    for trial in range(12):
+        n = int(rng.integers(2, 80))
+        sc = mixed_drop(n, 700 + trial, **options)
+        s = Scorer(sc)
+        L0 = rng.integers(1, sc.max_draft_len + 1, n)
+        ks = np.flatnonzero(L0 < sc.max_draft_len)
+        if ks.size == 0 or not s.incremental:
+            continue
+        G, T, dense, up = s.prefix_neighbors(L0, ks)
+        G2, T2, compact, up2 = s.prefix_neighbors(L0, ks, compact=True)
+        assert np.array_equal(G2, G) and np.array_equal(T2, T) and np.array_equal(up2, up)
+        assert isinstance(compact, optimizer._PrefixModes)
+        assert np.array_equal(np.asarray(compact), dense)
+        pick = rng.integers(0, ks.size, 5)
+        assert np.array_equal(compact[pick], dense[pick])
+        r, j = rng.integers(0, ks.size, 50), rng.integers(0, n, 50)
+        assert np.array_equal(compact.at(r, j), dense[r, j])
+        pattern = 2 * dense.sum(axis=0) >= ks.size
+        assert np.array_equal(compact.pattern(), pattern)
+        for mode_row in (pattern, rng.random(n) < 0.5):  # the majority, and any other pattern
+            pr, pj = compact.differ(mode_row, limit=10 ** 9)
+            dr, dj = np.nonzero(dense != mode_row[None, :])
+            assert np.array_equal(pr, dr) and np.array_equal(pj, dj)
+            assert compact.differ(mode_row, limit=-1) is None  # over the limit: the caller builds the rows
+            assert compact.differ(mode_row, limit=dr.size + 2 * ks.size) is not None  # <= 2 corrections a row
+        checked += 1
+    assert checked >= 6
+
+
+def test_shared_bounds_reusing_the_previous_steps_tables_plan_the_same(monkeypatch):
+    """`_SharedBase.of(..., prev)` keeps the previous step's demand tables above U_0 (issue 36): its round time
+    bounds stay below the exact round times, and the shared-band plans are those of fresh tables every step (the
+    same lengths and modes, goodput within 1e-9 relative)."""
+    rng = np.random.default_rng(362)
+    sc = mixed_drop(40, 5, ul_access="fdma_shared")
+    s = Scorer(sc)
+    ul = rng.random(40) < 0.5
+    L0 = np.ones(40, int)
+    base = optimizer._SharedBase.of(s, ul, L0)
+    for _ in range(6):  # a walk of raised schedules, as the greedy's steps
+        L0 = np.minimum(L0 + (rng.random(40) < 0.2), sc.max_draft_len)
+        base = optimizer._SharedBase.of(s, ul, L0, base)
+        rows = np.minimum(L0[None] + rng.integers(0, 3, (30, 40)), sc.max_draft_len)
+        T = s.exact(rows, np.broadcast_to(ul, rows.shape))[1]
+        assert np.all(base.round_time_lower(rows) <= T)
+    of = optimizer._SharedBase.of.__func__
+
+    def plans(reuse: bool):
+        monkeypatch.setattr(optimizer._SharedBase, "of",
+                            classmethod(lambda cls, s, ul, L0, prev=None: of(cls, s, ul, L0, prev if reuse else None)))
+        monkeypatch.setattr(optimizer, "_INCREMENTAL_MIN_N", 0)
+        out = []
+        for trial, n in enumerate((12, 30, 70)):
+            sc = mixed_drop(n, 800 + trial, ul_access="fdma_shared")
+            for policy in ("proposed", "multispin-heterogeneous"):
+                p = plan(sc, policy)
+                out.append((policy, n, p.modes, list(p.draft_lens), p.goodput_tps))
+        return out
+
+    for a, b in zip(plans(False), plans(True)):
+        assert a[:4] == b[:4]
+        assert b[4] == pytest.approx(a[4], rel=1e-9)
+
+
+def sorted_sweep(L, tab, thr, tables):
+    """`_level_sweep` as it was before issue 36's follow-up: the events above L sorted at every call, and the
+    running maximum's device for every event count."""
+    n, lmax = tab.shape
+    lens = np.broadcast_to(np.arange(1, lmax + 1), tab.shape)
+    above = lens > L[:, None]
+    order = np.argsort(tab[above], kind="stable")
+    times = tab[above][order]
+    at = np.searchsorted(times, thr, side="right")
+    sums = [V[np.arange(n), L - 1].sum()
+            + np.concatenate([[0.0], np.cumsum(np.diff(V, axis=1, prepend=0.0)[above][order])])[at] for V in tables]
+    level, dev = lens[above][order], np.broadcast_to(np.arange(n)[:, None], tab.shape)[above][order]
+    top, top_dev = np.zeros(times.size + 1, int), np.full(times.size + 1, -1)
+    if times.size:
+        top[1:] = np.maximum.accumulate(level)
+        sets = np.flatnonzero(level == top[1:])
+        top_dev[1:] = dev[sets[np.searchsorted(sets, np.arange(times.size), side="right") - 1]]
+    return sums, at, top[at], top_dev[at]
+
+
+def test_level_sweep_with_a_kept_order_is_the_sorted_sweep():
+    """`_level_sweep` with the stable order of the whole table (`_sweep_order`, kept between greedy steps) and the
+    running maximum's device looked up at the thresholds alone gives exactly what the sweep that sorted the events
+    above L at every step gave, ties included (a table of few distinct values)."""
+    rng = np.random.default_rng(363)
+    for _ in range(20):
+        n, lmax = int(rng.integers(1, 50)), int(rng.integers(1, 9))
+        tab = np.sort(rng.integers(0, 6, (n, lmax)), axis=1) * 0.01  # increasing in L, many ties
+        L = rng.integers(1, lmax + 1, n)
+        thr = np.sort(rng.uniform(-0.01, 0.06, 7))
+        tables = [np.cumsum(rng.random((n, lmax)), axis=1) for _ in range(2)]
+        ref = sorted_sweep(L, tab, thr, tables)
+        for order in (None, np.argsort(tab.ravel(), kind="stable")):
+            got = optimizer._level_sweep(L, tab, thr, tables, order)
+            for x, y in zip(got[1:], ref[1:]):
+                assert np.array_equal(x, y)
+            for x, y in zip(got[0], ref[0]):
+                assert np.array_equal(x, y)
+
+
+def test_first_min_per_row_is_the_lexsort_pick():
+    """`_first_min_per_row` (prefix_neighbors' best K per row without a sort) picks what a lexsort by (row, T, K)
+    picks: the smallest T, the smallest K among equal T, NaN after every number (a row of NaN: its first K)."""
+    rng = np.random.default_rng(364)
+    for _ in range(30):
+        C = int(rng.integers(1, 20))
+        counts = rng.integers(1, 6, C)
+        rows = np.repeat(np.arange(C), counts)
+        Ks = np.concatenate([np.sort(rng.choice(40, c, replace=False)) for c in counts])
+        T = rng.integers(0, 4, rows.size).astype(float)  # many ties
+        T[rng.random(rows.size) < 0.2] = np.nan
+        T[rng.random(rows.size) < 0.1] = np.inf
+        order = np.lexsort((Ks, T, rows))
+        first = np.ones(order.size, bool)
+        first[1:] = rows[order][1:] != rows[order][:-1]
+        assert np.array_equal(optimizer._first_min_per_row(rows, T), order[first])

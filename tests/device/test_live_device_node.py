@@ -110,7 +110,7 @@ def test_device_node_drafts_the_schedule_inside_a_verdict(micro_pair, tmp_path):
 
     with device_against_test_edge(tmp_path, "dev-y", OnnxDrafter(micro_pair.draft_onnx)) as (node, recv, send):
         h, _ = recv()
-        assert M.parse_register(h).features == {M.SCHEDULE_IN_VERDICT}
+        assert M.parse_register(h).features == {M.SCHEDULE_IN_VERDICT, M.CLOCK_OFFSET}
         send(M.registered("s#0", [5, 6, 7], seed=1, sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0},
                           bits_per_prob=16, on_air_vocab_size=None, max_draft_len=6, tx_marker=False))
         send(M.schedule(0, "UL", 2, 0.2, 0.0, 5.0))

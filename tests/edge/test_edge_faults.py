@@ -748,3 +748,31 @@ def test_idle_connections_beyond_the_shells_file_limit_do_not_lock_devices_out()
         if edge.poll() is None:
             edge.kill()
             edge.wait()
+
+
+def test_the_heap_is_given_back_once_a_flood_of_refused_messages_ends(ipc, caplog):
+    """The edge keeps freed heap for the optimizer's temporaries (`testbed.runtime.heap`); after a flood of
+    refused messages that would stay its size (bench_flood: +52 to +87 MB). Once FLOOD_TRIM_REFUSALS have
+    been refused and FLOOD_QUIET_S passed without one, it is trimmed, once per flood."""
+    from edge_node.transport import FLOOD_QUIET_S, FLOOD_TRIM_REFUSALS
+
+    server = make_server(ipc)
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(ipc)
+    ended = lambda: [r for r in caplog.records if "a flood ended" in r.getMessage()]  # noqa: E731
+    try:
+        with caplog.at_level(logging.INFO, logger="multispin.edge"):
+            for _ in range(FLOOD_TRIM_REFUSALS):
+                rogue.send_multipart([b"not json"])
+            server.poll(time.monotonic() + 30, stop=lambda: server.refused >= FLOOD_TRIM_REFUSALS)
+            assert server.refused >= FLOOD_TRIM_REFUSALS and not ended()  # not while it goes on
+            quiet_from = time.monotonic()
+            server.poll(time.monotonic() + 10 * FLOOD_QUIET_S, stop=lambda: bool(ended()))
+            assert len(ended()) == 1 and time.monotonic() - quiet_from >= FLOOD_QUIET_S * 0.9
+            rogue.send_multipart([b"not json"])  # a few more refusals are no new flood
+            server.poll(time.monotonic() + 3 * FLOOD_QUIET_S)
+            assert len(ended()) == 1
+    finally:
+        rogue.close(linger=0)
+        server.close()

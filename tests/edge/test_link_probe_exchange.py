@@ -18,6 +18,7 @@ from support import FakeEdge, profile_data, start_device, start_run, stop
 from device_node.options import ExitCode
 from edge_node import probing
 from edge_node.probing import Prober, Sweep, SweepSizes
+from edge_node.run_delay import RunDelay
 from testbed.run.profile import RateProbeSettings, load_profile
 from testbed.runtime.link_estimate import LinkEstimator, LinkFit
 from testbed.runtime.records import load_run
@@ -104,8 +105,9 @@ def _fit(rate: float, intercept: float = 0.002) -> LinkFit:
 
 
 def _rounds(est: LinkEstimator, name: str, direction: str, rate: float, t: float, a: float = 0.004) -> None:
-    """Messages of the rounds, a schedule and a draft's intercept `a`: a spread of sizes at time t."""
-    for s in (400, 130_000, 262_000, 393_000):
+    """Messages of the rounds, a schedule and a draft's intercept `a`: a spread of sizes at time t, two of each
+    (a lone message of a size sets no point of the fit, `link_estimate.group_time`)."""
+    for s in (400, 130_000, 262_000, 393_000) * 2:
         est.observe(name, direction, s, a + 8 * s / rate, t=t)
 
 
@@ -144,7 +146,7 @@ def test_probe_and_round_samples_of_one_link_differ_in_intercept_only():
     probes = [(s, 0.0006 + 8 * s / rate + rng.expovariate(3000.0)) for s in (1024, 25_000, 100_000, 200_000) * 2]
     assert fit_line(rounds).rate_bps == pytest.approx(rate, rel=0.005)
     assert fit_line(probes).rate_bps == pytest.approx(rate, rel=0.005)
-    assert fit_line(rounds + probes).rate_bps < 0.98 * rate  # 11 ms between the intercepts: -2.7%
+    assert fit_line(rounds + probes).rate_bps < 0.985 * rate  # 11 ms between the intercepts: -1.9%
 
 
 # --- the edge's sweep on a simulated link -------------------------------------------------------------------
@@ -217,7 +219,8 @@ def clock(monkeypatch):
 
 def _prober(clock, link, **settings) -> tuple[Prober, SimServer]:
     srv = SimServer(clock, link)
-    srv.prober = Prober(srv, RateProbeSettings(**settings))
+    # No thread of this process moves the simulated link's messages: none is watched for descheduling.
+    srv.prober = Prober(srv, RateProbeSettings(**settings), run_delay=RunDelay(tasks=[]))
     return srv.prober, srv
 
 
@@ -228,8 +231,10 @@ def test_a_sweep_measures_each_direction_within_its_budget(clock, dl, ul):
         t0 = clock.t
         entry = prober.run_sweep(Sweep("d", direction, "registration", "d#0"))
         assert entry["error"] is None and entry["fit"]["rate_bps"] == pytest.approx(rate, rel=0.02), entry
-        # the budget (1 s) holds, give or take the last probe's noise
-        assert clock.t - t0 == pytest.approx(entry["s"]) and entry["s"] <= 1.0 + 0.01
+        # the budget (1 s) holds, give or take the last probe's noise, plus the probes set aside (the edge was
+        # descheduled through them on this host: their time, up to the budget again)
+        assert clock.t - t0 == pytest.approx(entry["s"])
+        assert entry["s"] <= 1.0 + min(1.0, entry["descheduled_s"]) + 0.01
         assert srv.links.probe_fit("d", direction)[0].rate_bps == entry["fit"]["rate_bps"]
         # the sizes grew from 1 kB; the large ones reached the target round trip (0.1 s) or max_bytes
         assert entry["pings"] >= 6 and (8 * entry["max_bytes"] / rate >= 0.05 or entry["max_bytes"] == 2**18)
@@ -238,7 +243,7 @@ def test_a_sweep_measures_each_direction_within_its_budget(clock, dl, ul):
 
 
 def test_a_sweep_whose_large_probes_are_held_by_losses_claims_no_rate(clock):
-    prober, srv = _prober(clock, SimLink(20e6, 4e6, rto_above=60_000))
+    prober, srv = _prober(clock, SimLink(20e6, 4e6, rto_above=40_000))
     srv.links.set_probe("d", "ul", _fit(5e6), t=1.0)
     entry = prober.run_sweep(Sweep("d", "ul", "age", "d#0"))
     assert entry["fit"] is None and entry["error"].startswith("no rate: "), entry

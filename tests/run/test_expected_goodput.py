@@ -110,3 +110,21 @@ def test_a_failing_offline_plan_is_recorded_not_raised(monkeypatch):
     assert s["expected_goodput_tps"] is None and "plug-in failed" in s["expected_goodput"]["error"]
     assert "not computed (RuntimeError: plug-in failed)" in report.format_summary(
         {**report.summarize(synth_records(2)), **{k: s[k] for k in ("expected_goodput_tps", "expected_goodput")}})
+
+
+def test_the_expected_goodput_plans_top_k_on_the_runs_learnt_alpha_under_k():
+    from edge_node.controller import Controller
+    from testbed.core.scenario import Scenario
+    from testbed.run.planning import last_estimates, with_estimates
+
+    sc = Scenario.from_dict({"vocab_size": 4096, "topk_choices": [16, 64], "devices": [
+        {"name": n, "distance_m": 100, "draft_time_s": 0.002, "acceptance": 0.6} for n in ("a", "b")]})
+    est = {"a": {"alpha": 0.8, "draft_time_s": 0.002, "alpha_topk": {"16": 0.4, "64": 0.6}},
+           "b": {"alpha": 0.7, "draft_time_s": 0.002, "alpha_topk": {"16": 0.28, "64": 0.56}}}
+    records = [{"round": 0, "devices": {n: {"estimate": e} for n, e in est.items()}}]
+    ctl = Controller(sc)
+    with_estimates(ctl, last_estimates(records))
+    for n, e in est.items():  # alpha under each k as the run learnt it; the dense alpha stays the learnt one
+        assert ctl.alpha_topk(n, 16) == pytest.approx(e["alpha_topk"]["16"], abs=1e-6)
+        assert ctl.alpha_topk(n, 64) == pytest.approx(e["alpha_topk"]["64"], abs=1e-6)
+        assert ctl.alpha_dense(n) == pytest.approx(e["alpha"], abs=0.06)

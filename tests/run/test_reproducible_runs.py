@@ -204,10 +204,10 @@ def test_exports_carry_policy_seed_tags_and_the_sweep_point(tmp_path, capsys):
     profile = load_profile(None, {"seed": 2, "policy": "all-dl"})
     run = write_run(tmp_path / "r", profile, tags=["x", "y"], sweep={"key": "devices", "value": 4})
     meta = json.loads((run / "meta.json").read_text())
-    assert run_context(meta) == {"policy": "all-dl", "seed": 2, "tags": "x;y", "sweep_key": "devices",
-                                 "sweep_value": 4}
+    assert run_context(meta) == {"policy": "all-dl", "seed": 2, "tags": "x;y", "status": "complete",
+                                 "sweep_key": "devices", "sweep_value": 4}
     rows = device_rows(synth_records(1), run="r", context=run_context(meta))
-    assert list(rows[0])[:7] == ["run", "policy", "seed", "tags", "sweep_key", "sweep_value", "round"]
+    assert list(rows[0])[:8] == ["run", "policy", "seed", "tags", "status", "sweep_key", "sweep_value", "round"]
     assert main(["report", str(run), "--csv", str(tmp_path / "t.csv")]) == 0
     with open(tmp_path / "t.csv") as fh:
         got = list(csv.DictReader(fh))

@@ -220,7 +220,9 @@ def test_run_of_a_lan_profile_says_what_it_waits_for(tmp_path, monkeypatch, caps
     assert main(["run", "lan", "--set", "security=insecure", "--runs-dir", str(runs)]) == 0
     out = capsys.readouterr().out
     assert "waiting up to 600 s for 2 device(s) dev0, dev1 to connect to tcp://0.0.0.0:5600" in out
-    assert "multispin device --connect tcp://0.0.0.0:5600 --name dev0" in out and seen["dir"].parent == runs
+    # the command a device host runs: the edge host's address, not the wildcard it binds
+    assert "  multispin device --connect tcp://" in out and "--name dev0 --draft /" in out
+    assert seen["dir"].parent == runs
 
 
 # -- runs, report A B, compare -----------------------------------------------------------------------------
@@ -378,7 +380,8 @@ def test_csv_has_one_row_per_device_and_round(runs_dir, capsys):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 6 * 2
     cols = list(rows[0])
-    assert cols[:7] == ["policy", "seed", "tags", "round", "device", "mode", "draft_len"]  # the run's, then the row's
+    assert cols[:10] == ["policy", "seed", "tags", "status", "fallback_rounds", "round", "fallback", "device", "mode",
+                         "draft_len"]  # the run's, then the row's
     assert (rows[0]["policy"], rows[0]["seed"], rows[0]["tags"]) == ("proposed", "0", "")
     first = {c.split("_")[0] for c in cols}
     assert {"predicted", "measured", "estimate", "round"} <= first
@@ -390,7 +393,8 @@ def test_csv_has_one_row_per_device_and_round(runs_dir, capsys):
     # stdout, and several runs into one file with a run column
     capsys.readouterr()
     assert main(["report", str(run), "--csv", "-"]) == 0
-    assert capsys.readouterr().out.startswith("policy,seed,tags,round,device,mode,draft_len,")
+    assert capsys.readouterr().out.startswith(
+        "policy,seed,tags,status,fallback_rounds,round,fallback,device,mode,draft_len,")
     out = runs_dir.parent / "all.csv"
     assert main(["report", str(run), str(runs_dir / "20250101-110000-all-dl"), "--csv", str(out)]) == 0
     with open(out) as fh:
@@ -406,7 +410,7 @@ def test_export_columns_keep_missed_devices():
     rows = device_rows(recs)
     assert len(rows) == 4 and rows[3]["missed"] is True and rows[3]["measured"] is None
     cols = columns(rows)
-    assert cols[:2] == ["round", "device"] and "measured_draft_s" in cols
+    assert cols[:3] == ["round", "fallback", "device"] and "measured_draft_s" in cols
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols)
     w.writeheader()

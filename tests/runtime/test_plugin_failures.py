@@ -296,6 +296,19 @@ def test_runs_and_report_show_a_degraded_run_and_its_fallbacks(plugs, tmp_path, 
                                                        (run / "rounds.jsonl").read_text().splitlines()][:1]))
 
 
+def test_report_csv_carries_the_runs_status_and_each_rounds_fallback(plugs, tmp_path, capsys):
+    import csv
+
+    run = _degraded_run(plugs, tmp_path / "runs")
+    assert main(["report", str(run), "--csv", str(tmp_path / "t.csv")]) == 0
+    with open(tmp_path / "t.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {(r["status"], r["fallback_rounds"]) for r in rows} == {("degraded", "2")}
+    fell = {int(r["round"]): r["fallback"] for r in rows}
+    assert fell == {0: "", 1: "plugin_error", 2: "", 3: "plugin_error"}
+    assert list(rows[0])[:7] == ["policy", "seed", "tags", "status", "fallback_rounds", "round", "fallback"]
+
+
 def test_a_campaign_row_carries_the_status_and_the_fallback_counts(plugs, tmp_path):
     from testbed.run.campaign import FINISHED, RESULT_FIELDS, Campaign, CampaignRun, result_row, run_status
 

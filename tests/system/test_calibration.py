@@ -50,7 +50,7 @@ def test_calibration_replaces_the_priors_of_round_0_and_the_record_says_so():
     assert ctl.calibrate_draft_time("d0", 0.005)
     assert ctl.calibrate_verify({"verify_t0_s": 0.003, "verify_t1_s": 0.0004, "shapes": [], "took_s": 0.1})
     rec = _record(ctl)
-    assert rec["verify_model"] == {"t0_s": 0.003, "t1_s": 0.0004}
+    assert rec["verify_model"] == {"t0_s": 0.003, "t1_s": 0.0004, "prefill_positions": 0}
     assert rec["devices"]["d0"]["estimate"]["draft_time_s"] == 0.005
     assert rec["devices"]["d1"]["estimate"]["draft_time_s"] == 0.02  # it sent none: its prior
     ef = rec["estimates_from"]

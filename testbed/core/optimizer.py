@@ -162,12 +162,13 @@ class Scorer:
         return (E / Tk).sum(-1)
 
     # -- fixed modes
-    def exact(self, L, ul, equal_power: bool = False):
+    def exact(self, L, ul, equal_power: bool = False, start_s=None):
         """`fixed` with the scenario's uplink: dedicated bands as tabulated; a shared uplink split anew for each
-        row (min-max, `model.shared_ul_split`) whatever bands the tables hold. Returns (G, T, bands or None)."""
+        row (min-max, `model.shared_ul_split`) whatever bands the tables hold. Returns (G, T, bands or None).
+        start_s: a lower bound of every row's uplink phase (`shared_up`)."""
         if not self.shared:
             return (*self.fixed(L, ul, equal_power=equal_power), None)
-        up, bands = self.shared_up(L, ul)
+        up, bands = self.shared_up(L, ul, start_s)
         return (*self.fixed(L, ul, equal_power=equal_power, up=up), bands)
 
     def shared_inputs(self, idx, ul):
@@ -184,16 +185,22 @@ class Scorer:
             bits = np.where(is_fixed, 0.0, bits)
         return bits, before
 
-    def shared_up(self, L, ul):
+    def shared_up(self, L, ul, start_s=None):
         """Each device's uplink phase (drafting + first upload) under the min-max split of each row, and the
-        bands: ((C, N), (C, N))."""
+        bands: ((C, N), (C, N)). start_s: a lower bound of every row's uplink phase (the greedy's: the phase of
+        a schedule below all rows in the same modes), where the split's Newton starts (`uplink.split`)."""
         L = np.asarray(L)
         ul = np.asarray(ul, bool)
         tb = self.tb
         idx = self._index(L)
         bits = np.where(ul, tb.bits_ul.ravel()[idx], tb.bits_dl.ravel()[idx])
         draft = tb.draft_s.ravel()[idx]
-        bands, _ = model.shared_ul_split(self.sc, bits, draft, tb.snr_hz, tb.fixed_ul)
+        if start_s is None:
+            bands, _ = model.shared_ul_split(self.sc, bits, draft, tb.snr_hz, tb.fixed_ul)
+        else:  # the same split (`shared_inputs` is model.shared_ul_split's handling of fixed rates), warm
+            S, before = self.shared_inputs(idx, ul)
+            bands, _ = uplink.split(S, before, tb.snr_hz, self.sc.ul_total_bandwidth_hz(), self.sc.ul_min_band_hz(),
+                                    start_s=start_s)
         fixed = np.isfinite(tb.fixed_ul)
         with np.errstate(divide="ignore", invalid="ignore"):
             rate = np.where(fixed, tb.fixed_ul, radio.shannon_rate_bps(bands, tb.snr_hz * self.n0, 1.0, self.n0))
@@ -1470,7 +1477,7 @@ class SharedModes:
         G = np.full(L.shape[0], -np.inf)
         keep = np.flatnonzero(self.scorer.flat["E"][self.scorer._index(L)].sum(-1) / T >= floor)
         if keep.size:
-            G[keep], T[keep], _ = self.scorer.exact(L[keep], ul[keep])
+            G[keep], T[keep], _ = self.scorer.exact(L[keep], ul[keep], start_s=base.U_start)
         return G, T, ul
 
     def neighbors(self, L0, ks, Lc):
@@ -1496,7 +1503,7 @@ class SharedModes:
             chunk = chunk[bound[chunk] >= best]
             if chunk.size == 0:
                 break  # sorted: no later candidate can reach the best either
-            G[chunk], T[chunk], _ = s.exact(Lc[chunk], ul_rows[chunk])
+            G[chunk], T[chunk], _ = s.exact(Lc[chunk], ul_rows[chunk], start_s=self.base.U_start)
             best = max(best, float(G[chunk].max()))
             start, size = start + size, size * 4
         return G, T, ul_rows, self._bottleneck(np.asarray(L0), np.asarray(ks))
@@ -1553,7 +1560,7 @@ class _SharedBase:
             if np.any(np.diff(S.reshape(n, lmax), axis=1) < 0) or np.any(np.diff(c.reshape(n, lmax), axis=1) < 0):
                 return None
             a = np.repeat(s.tb.snr_hz, lmax)
-        up0, _ = s.shared_up(L0[None], ul[None])
+        up0, _ = s.shared_up(L0[None], ul[None], None if prev is None else prev.U_start)
         T0 = s.fixed(L0[None], ul[None], up=up0)[1][0]
         U0 = float(up0.max())
         kept = np.flatnonzero(prev.U > U0) if prev is not None else np.empty(0, int)
@@ -1570,6 +1577,12 @@ class _SharedBase:
                 alone = c + np.where(S > 0, S / uplink.rate_bps(B - (n - 1) * bmin, a), 0.0)
         after = T0 - U0 - float(model.verify_time(sc, L0)) - s.t_over
         return cls(s, np.asarray(L0).copy(), after, U, demand, slope, alone, (S, c, a))
+
+    @property
+    def U_start(self) -> float:
+        """A lower bound of the uplink phase of any schedule >= L0 in these modes, below L0's own by more than
+        its rounding: the splits' warm start (`uplink.split`)."""
+        return self.U[0] * (1.0 - 1e-12)
 
     def _uplink_lower(self, F, dF, blocked=None):
         """From F_L and F_L' at the deadlines ((m, C)): the Newton step from the last deadline with F_L >= 0

@@ -70,12 +70,14 @@ def rate_bps(band_hz, snr_hz):
     return np.where(b > 0, r, 0.0)
 
 
-def split(bits, before_s, snr_hz, total_hz: float, min_hz: float, iters: int = 100):
+def split(bits, before_s, snr_hz, total_hz: float, min_hz: float, iters: int = 100, start_s=None):
     """The min-max split of `total_hz` over the last axis: (bands (..., N), U (...)), sum of bands = B exactly.
 
     bits S_k >= 0 (0: the device's time does not depend on its band), before_s c_k (drafting, and for a given
     rate its air time), snr_hz a_k = p_k g_k / N_0. Requires N b_min <= B. U is the uplink phase the split
-    reaches (max_k tau_k); the bands give each device above b_min that time up to rounding."""
+    reaches (max_k tau_k); the bands give each device above b_min that time up to rounding. start_s (...): a
+    known lower bound of U (a warm start: the U of a problem whose S_k and c_k are all at most these; U only
+    grows with them), where Newton starts if it is above the cold start."""
     S, c, a = np.broadcast_arrays(*(np.asarray(v, float) for v in (bits, before_s, snr_hz)))
     n = S.shape[-1]
     B, bmin = float(total_hz), float(min_hz)
@@ -86,6 +88,8 @@ def split(bits, before_s, snr_hz, total_hz: float, min_hz: float, iters: int = 1
         # U* is at least the slowest device's time with all the band the others leave it, at most the
         # slowest time of the equal split (feasible: b_min <= B / N)
         U = tau(np.full(S.shape, B - (n - 1) * bmin)).max(-1)
+        if start_s is not None:
+            U = np.maximum(U, start_s)
         U_hi = tau(np.full(S.shape, B / n)).max(-1)
         done = np.zeros(U.shape, bool)
         for _ in range(iters):

@@ -246,3 +246,25 @@ def test_demand_is_the_splits_band_and_its_slope():
     active = b > bmin * 1.01
     np.testing.assert_allclose(db[active], num[active], rtol=1e-4)
     assert np.all(db <= 0) and np.isinf(uplink.demand(S[:1], c[:1], a[:1], c[0] * 0.5, bmin)[0]).all()
+
+
+def test_a_warm_started_split_is_the_cold_split():
+    """`uplink.split(..., start_s)` (the greedy's warm start: the uplink phase of a problem with fewer bits and
+    earlier starts, just below it) reaches the split of a cold start: U within 1e-12 and every band within 1e-9
+    of B, relative. Some rows start at their own U, some below, some at a start that does not help."""
+    rng = np.random.default_rng(366)
+    for _ in range(20):
+        C, n = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        a = 10 ** rng.uniform(6, 9, (C, n))
+        S = rng.uniform(1e3, 1e5, (C, n)) * (rng.random((C, n)) < 0.9)  # some devices with a given rate (S = 0)
+        c = rng.uniform(0.01, 0.1, (C, n))
+        B = float(rng.uniform(0.3, 3.0)) * 1e6 * n
+        bmin = B / n * float(rng.choice([0.01, 0.05, 0.5, 1.0]))
+        bands, U = uplink.split(S, c, a, B, bmin)
+        shrink = rng.uniform(0.5, 1.0, (C, 1))
+        _, U_low = uplink.split(S * shrink, c * shrink, a, B, bmin)
+        for start in (U * (1 - 1e-12), U_low * (1 - 1e-12), np.zeros(C)):
+            bands_w, U_w = uplink.split(S, c, a, B, bmin, start_s=start)
+            np.testing.assert_allclose(U_w, U, rtol=1e-12)
+            assert np.max(np.abs(bands_w - bands)) <= 1e-9 * B
+            np.testing.assert_allclose(bands_w.sum(-1), B, rtol=1e-12)

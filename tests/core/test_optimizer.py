@@ -453,3 +453,21 @@ def test_first_min_per_row_is_the_lexsort_pick():
         first = np.ones(order.size, bool)
         first[1:] = rows[order][1:] != rows[order][:-1]
         assert np.array_equal(optimizer._first_min_per_row(rows, T), order[first])
+
+
+def test_distinct_fill_rows_are_the_dense_fill_rows():
+    """`_distinct_fill_rows` (each distinct fill row built once) gives every row max(L + e_k, fill levels) exactly,
+    with the rows in one mode vector (deduplicated) and in mixed modes (built densely), bottlenecks repeated."""
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        n = int(rng.integers(3, 40))
+        s = Scorer(mixed_drop(n, trial))
+        L = rng.integers(1, s.lmax, n)
+        ks = rng.choice(n, int(rng.integers(1, 3 * n)))
+        tab = np.where(rng.random(n) < 0.5, s.tb.up_ul.T, s.tb.up_dl.T).T
+        bottleneck = rng.choice(tab.ravel(), 4)[rng.integers(0, 4, ks.size)]  # few distinct levels, as in a step
+        for ul in (np.broadcast_to(rng.random(n) < 0.5, (ks.size, n)), rng.random((ks.size, n)) < 0.5):
+            rows, inv = optimizer._distinct_fill_rows(s, L, ks, ul, bottleneck)
+            Lc = np.repeat(L[None], ks.size, axis=0)
+            Lc[np.arange(ks.size), ks] += 1
+            assert np.array_equal(rows[inv], np.maximum(Lc, optimizer._fill_levels(s, ul, bottleneck)))

@@ -294,6 +294,7 @@ class ChannelProxy:
                  max_identities: int = MAX_IDENTITIES, idle_reap_s: float = IDLE_REAP_S,
                  max_msgs_per_s: float = MAX_MSGS_PER_S, unregistered_idle_s: float = UNREGISTERED_IDLE_S,
                  max_held_bytes: int = MAX_HELD_BYTES, max_unregistered: int | None = None,
+                 expect_devices: int = 0,
                  max_connections: int | None = None, peer_log_interval_s: float = PEER_LOG_INTERVAL_S):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid; allowed: {', '.join(MODES)}")
@@ -308,7 +309,9 @@ class ChannelProxy:
         server_keys = ServerKeys.load(keys_dir) if keys_dir else None
         self.edge_keys = ClientKeys.for_name(keys_dir, CHANNEL_CLIENT) if keys_dir else None
         self.control_token = control_token
-        self.max_identities, self.idle_reap_s = int(max_identities), float(idle_reap_s)
+        # A run of many devices (`expect_devices`) needs an identity each, and all of them register at once.
+        self.max_identities = max(int(max_identities), int(expect_devices) + int(max_identities) // 2)
+        self.idle_reap_s = float(idle_reap_s)
         self.unregistered_idle_s, self.max_held_bytes = float(unregistered_idle_s), int(max_held_bytes)
         files = self.files = fd_limit()
         self._files_checked = 0.0
@@ -321,7 +324,7 @@ class ChannelProxy:
         # down first (`_reap_connections`): a flood's files in flight (connections accepted before the next
         # check, DEALERs closing) stay within what the cap leaves free.
         self.max_unregistered = max(1, int(max_unregistered) if max_unregistered is not None
-                                    else self.max_identities // 4)
+                                    else max(self.max_identities // 4, min(int(expect_devices), self.max_identities)))
         self.max_connections = max(2, int(max_connections) if max_connections is not None
                                    else self.max_identities // 2)
         self.limiter = RateLimiter(max_msgs_per_s)  # per identity; the same limit as the edge's
@@ -750,6 +753,8 @@ class ChannelProxy:
                 self._deliver_due()
                 for sock, _ in self.poller.poll(self._timeout_ms()):
                     for _ in range(64):  # drain, but keep checking deadlines between messages
+                        if sock.closed:  # a DEALER reaped by a message handled above in this same loop
+                            break
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
@@ -871,7 +876,7 @@ class ChannelProxy:
 def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: str = "real",
               spin_s: float = DEFAULT_SPIN_S, marker_ttl_s: float = 5.0, log_level: str | None = None,
               keys_dir: str | None = None, control_token: str | None = None,
-              unregistered_idle_s: float = UNREGISTERED_IDLE_S) -> None:
+              unregistered_idle_s: float = UNREGISTERED_IDLE_S, expect_devices: int = 0) -> None:
     """Blocking: serve until a ``stop`` control request. Usable as a multiprocessing/subprocess target.
     The control token defaults to the environment's ``MULTISPIN_CHANNEL_TOKEN`` (unset: none required)."""
     if log_level:
@@ -880,7 +885,7 @@ def run_proxy(frontend_bind: str, edge_connect: str, control_bind: str, mode: st
     fd_limit(raise_soft=True)  # a process of its own: as many identities as the host allows, up to MAX_IDENTITIES
     ChannelProxy(frontend_bind, edge_connect, control_bind, mode=mode, spin_s=spin_s,
                  marker_ttl_s=marker_ttl_s, keys_dir=keys_dir, control_token=token,
-                 unregistered_idle_s=unregistered_idle_s).run()
+                 unregistered_idle_s=unregistered_idle_s, expect_devices=expect_devices).run()
 
 
 class ChannelControl:
@@ -985,6 +990,8 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
                    help="close the DEALER of an identity the edge never registered after this long idle (s)")
     p.add_argument("--keys", default=None,
                    help="key directory (multispin keys generate): CURVE on the frontend, control and edge links")
+    p.add_argument("--expect-devices", type=int, default=0,
+                   help="devices of the run: the identity caps grow to hold them all, registering at once")
     return p
 
 
@@ -992,7 +999,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_proxy(args.frontend, args.edge, args.control, mode=args.mode, spin_s=args.spin_s,
-              marker_ttl_s=args.marker_ttl_s, keys_dir=args.keys, unregistered_idle_s=args.unregistered_idle_s)
+              marker_ttl_s=args.marker_ttl_s, keys_dir=args.keys, unregistered_idle_s=args.unregistered_idle_s,
+              expect_devices=args.expect_devices)
     return 0
 
 

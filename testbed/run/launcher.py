@@ -85,7 +85,8 @@ class Launcher:
         return proc
 
     def start_channel(self, frontend: str, edge: str, control: str, mode: str, spin_s: float, *,
-                      token: str | None = None, keys_dir: str | None = None) -> subprocess.Popen:
+                      token: str | None = None, keys_dir: str | None = None,
+                      expect_devices: int = 0) -> subprocess.Popen:
         """The emulator; `token` (its control token) travels in the environment, never on the command line."""
         from channel_emulator.proxy import TOKEN_ENV
 
@@ -93,6 +94,8 @@ class Launcher:
                 "--control", control, "--mode", mode, "--spin-s", str(spin_s)]
         if keys_dir:
             argv += ["--keys", str(keys_dir)]
+        if expect_devices:
+            argv += ["--expect-devices", str(expect_devices)]
         return self.start("channel", argv, env={TOKEN_ENV: token} if token else None)
 
     def start_device(self, label: str, connect: str, draft_onnx: str, hardware: str | None,

@@ -470,7 +470,7 @@ def start_channel(s: LiveSession) -> str:
     # child's environment (with keys, CURVE admits only the edge's key to the control socket as well).
     token = secrets.token_hex(16)
     proc = s.launcher.start_channel(front, edge, control, p.channel.mode, p.channel.spin_s, token=token,
-                                    keys_dir=p.keys_dir)
+                                    keys_dir=p.keys_dir, expect_devices=s.scenario.num_devices)
     keys = ClientKeys.for_name(p.keys_dir, EDGE_CLIENT) if p.keys_dir else None
     # `gone`: an emulator killed while a request waits ends the wait at once, not after 10 s.
     s.channel = ChannelControl(control, timeout_s=10.0, keys=keys, token=token, gone=lambda: channel_exited(s))

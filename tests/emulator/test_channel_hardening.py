@@ -394,3 +394,16 @@ def test_a_second_connection_with_a_devices_key_does_not_cut_the_holder_out(benc
     b.edge.send_multipart([b"dev0", encode_header({"type": "registered"})])
     assert decode_header(copy.recv_multipart()[0])["type"] == "registered"
     assert b.proxy.counters["route_moved"] == 1
+
+
+def test_a_run_of_many_devices_gets_an_identity_for_each_all_registering_at_once(bench):
+    """1,024 devices against the default caps (512 identities, a quarter of them unregistered) had the emulator
+    reap registering devices' DEALERs, and then read a socket it had just closed (ENOTSOCK): it died. With
+    `expect_devices` the caps hold every device; here 6 devices register at once against caps of 2."""
+    b = bench(max_identities=2, expect_devices=6)
+    assert b.proxy.max_identities == 7 and b.proxy.max_unregistered == 6
+    socks = [b.device(f"d{i}") for i in range(6)]
+    for s in socks:
+        s.send(encode_header({"type": "register"}))
+    got = {b.edge.recv_multipart()[0] for _ in socks}
+    assert got == {f"d{i}".encode() for i in range(6)} and b.proxy.counters["reaped"] == 0

@@ -124,6 +124,7 @@ CONN_ACTIVE_S = 2.0
 # Open files per identity: the device's connection to the frontend, its DEALER's connection and mailbox. ZeroMQ
 # aborts the process when it runs out of files, so the cap must fit the process's limit (ulimit -n, often 1024).
 FDS_PER_IDENTITY = 3
+SOCKETS_RESERVE = 16    # the frontend, its monitor, the control socket: ZeroMQ sockets that are no identity's
 FD_RESERVE = 64          # listeners, the control socket, ZeroMQ's own threads, the log, Python
 LOG_BURST = PEER_LOG_LINES  # (the former name) peers whose refusals are logged per interval
 MAX_MSGS_PER_S = 2000.0  # per identity, averaged over a one-second burst
@@ -327,6 +328,8 @@ class ChannelProxy:
                                     else max(self.max_identities // 4, min(int(expect_devices), self.max_identities)))
         self.max_connections = max(2, int(max_connections) if max_connections is not None
                                    else self.max_identities // 2)
+        if self._own_ctx:  # libzmq's default cap is 1,023 sockets per context: a DEALER per identity beyond it
+            self.ctx.set(zmq.MAX_SOCKETS, max(self.ctx.get(zmq.MAX_SOCKETS), self.max_identities + SOCKETS_RESERVE))
         self.limiter = RateLimiter(max_msgs_per_s)  # per identity; the same limit as the edge's
         self.max_msgs_per_s = self.limiter.rate
         self.frontend = self.ctx.socket(zmq.ROUTER)

@@ -407,3 +407,17 @@ def test_a_run_of_many_devices_gets_an_identity_for_each_all_registering_at_once
         s.send(encode_header({"type": "register"}))
     got = {b.edge.recv_multipart()[0] for _ in socks}
     assert got == {f"d{i}".encode() for i in range(6)} and b.proxy.counters["reaped"] == 0
+
+
+def test_the_emulators_context_holds_a_socket_for_every_identity(tmp_path):
+    """libzmq allows 1,023 sockets per context by default; the emulator opens a DEALER per identity, so 1,024
+    devices met "Too many open files" at registration."""
+    ep = f"ipc://{tmp_path}"
+    proxy = ChannelProxy(f"{ep}/front", f"{ep}/edge", f"{ep}/ctl", expect_devices=1100)
+    try:
+        assert proxy.max_identities >= 1100
+        extra = [proxy.ctx.socket(zmq.DEALER) for _ in range(proxy.max_identities)]
+        for s in extra:
+            s.close(linger=0)
+    finally:
+        proxy.close()

@@ -25,7 +25,14 @@ def _f(value, fmt: str, scale: float = 1.0) -> str:
 
 class LiveView:
     def __init__(self, title: str, rounds: int | None = None, console: Console | None = None):
-        self.title, self.rounds, self.console = title, rounds, console
+        self.console = console
+        self._live: Live | None = None
+        self.start_run(title, rounds)
+
+    # -- state -------------------------------------------------------------------------------------
+    def start_run(self, title: str, rounds: int | None = None) -> None:
+        """A run's title and its counts from zero (a campaign's next run shows in the same view)."""
+        self.title, self.rounds = title, rounds
         self.last: dict | None = None
         self.count = 0
         self.tokens = 0
@@ -33,9 +40,7 @@ class LiveView:
         self.predicted_tokens = 0.0
         self.predicted_time_s = 0.0
         self.requests: list[dict] = []
-        self._live: Live | None = None
 
-    # -- state -------------------------------------------------------------------------------------
     def update(self, rec: dict, requests: list[dict] | None = None) -> None:
         """One more round record, and the requests finished so far (None: the run serves no requests)."""
         self.last, self.count = rec, self.count + 1

@@ -58,6 +58,9 @@ def register(subparsers) -> None:
                         "the same process or worker, each with fresh state)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar or Python warnings; log warnings and errors only")
+    from testbed.cli.run import add_live_view_argument
+
+    add_live_view_argument(p)  # runs in this process only (not --jobs, --ray)
     from testbed.cli.report import add_figure_arguments, with_figures
 
     add_figure_arguments(p)  # --style, --format of every plot
@@ -127,6 +130,7 @@ def launch(args, camp, base) -> int:
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from testbed.cli.run import live_view_wanted
     from testbed.run.campaign import open_campaign, run_campaign
     from testbed.run.campaign_jobs import check_jobs, parallel
     from testbed.run.launcher import require_edge_extra, resolve_pair
@@ -156,7 +160,10 @@ def launch(args, camp, base) -> int:
         with logging_redirect_tqdm():
             warm = not getattr(args, "cold", False)  # `extend` has no --cold: warm
             runner = parallel(args.jobs, args.ray, warm) if args.jobs > 1 or args.ray is not None else None
-            run_campaign(camp, pair, plots=not args.no_plots, progress=not args.quiet, runner=runner, warm=warm)
+            if runner is None and live_view_wanted(args):
+                _with_live_view(camp, pair, plots=not args.no_plots, warm=warm)
+            else:
+                run_campaign(camp, pair, plots=not args.no_plots, progress=not args.quiet, runner=runner, warm=warm)
     except KeyboardInterrupt:
         print(f"\ninterrupted; the complete runs are in {out}; continue with `multispin campaign extend {out}`",
               file=sys.stderr)
@@ -164,3 +171,22 @@ def launch(args, camp, base) -> int:
     print(f"results: {out / 'results.csv'}; the report: multispin report {out}; per point: multispin report "
           f"{out}/<point>")
     return 0
+
+
+def _with_live_view(camp, pair: dict, *, plots: bool, warm: bool) -> None:
+    """The campaign's runs one after another in one live view (round, devices, measured against predicted),
+    each run under its own title; the view replaces the progress bar."""
+    from testbed.analysis.live_view import LiveView
+    from testbed.run.campaign import run_campaign, trial_label
+
+    view = LiveView("campaign", camp.base.rounds)
+    shown: list = [None]
+
+    def on_round(record: dict, run) -> None:
+        if shown[0] is not run:
+            shown[0] = run
+            view.start_run(f"campaign {trial_label(camp, run)}", camp.base.rounds)
+        view.update(record)
+
+    with view:
+        run_campaign(camp, pair, plots=plots, progress=False, on_round=on_round, warm=warm)

@@ -67,6 +67,18 @@ def test_the_live_view_as_a_context_manager_on_a_plain_file():
     assert "round 0" in buf.getvalue()
 
 
+def test_a_campaigns_next_run_starts_from_zero_under_its_own_title():
+    view = LiveView("campaign devices=2 proposed", rounds=10)
+    view.update(_record(0, 4))
+    view.update(_record(1, 4))
+    assert "8 tokens" in _text(view)
+    view.start_run("campaign devices=2 all-ul", rounds=10)
+    text = _text(view)
+    assert "devices=2 all-ul" in text and "waiting for the first round" in text and "8 tokens" not in text
+    view.update(_record(0, 3))
+    assert "round 0/10" in _text(view) and "3 tokens" in _text(view)
+
+
 def test_serving_percentiles_and_lines():
     reqs = [_request(i, 0.05 * (i + 1), [0.01 * (i + 1)]) for i in range(10)]
     reqs.append({**_request(10, 9.0, [9.0]), "finished": False})  # unfinished: counted, not in the percentiles

@@ -187,3 +187,22 @@ def test_campaign_writes_csv_and_plot_and_resumes_where_it_stopped(micro_pair, t
     again = run_campaign(plan(), pair, plots=False, progress=False, on_round=lambda rec, run: seen.append(1),
                          echo=lambda s: None)
     assert seen == [] and [r["measured_goodput_tps"] for r in again] == [r["measured_goodput_tps"] for r in rows]
+
+
+def test_a_campaign_in_the_live_view_shows_each_run_under_its_own_title(micro_pair, tmp_path, capsys):
+    import yaml
+
+    from testbed.cli import main
+
+    base = _micro_base(micro_pair)
+    profile = tmp_path / "micro.yaml"
+    profile.write_text(yaml.safe_dump(base.snapshot()))
+    out = tmp_path / "camp"
+    rc = main(["campaign", str(profile), "--sweep", "devices=1", "--policies", "all-ul,all-dl", "--rounds", "2",
+               "--out", str(out), "--no-plots", "--live-view"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    # The view's last frame: the second run, counted from its own first round
+    assert "campaign devices=1 all-dl" in printed and "round 1/2" in printed
+    with open(out / "results.csv") as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["complete", "complete"]

@@ -129,6 +129,9 @@ FD_RESERVE = 64          # listeners, the control socket, ZeroMQ's own threads, 
 LOG_BURST = PEER_LOG_LINES  # (the former name) peers whose refusals are logged per interval
 MAX_MSGS_PER_S = 2000.0  # per identity, averaged over a one-second burst
 MAX_CONTROL_REPLY_BYTES = 16 * 1024 * 1024  # stats of many links; still bounded
+# A configure of many links (1,024 devices: 70 kB) is more than a device's 64 KiB header; only the edge may use
+# the control socket (token, CURVE), and it is bounded all the same.
+MAX_CONTROL_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 def _header(frames: list) -> dict | None:
@@ -688,7 +691,8 @@ class ChannelProxy:
                 self._warn("control", "control_refused", "refused a control request: %s", who)
                 return {"ok": False, "error": "only the edge may use the control socket"}
         try:
-            msg = decode_header(frame.bytes)
+            msg = decode_header(frame.bytes, max_bytes=MAX_CONTROL_REQUEST_BYTES,
+                                max_items=MAX_CONTROL_REQUEST_BYTES // 8)
         except ProtocolError as exc:
             return {"ok": False, "error": f"control request is not JSON (strict, versioned): {exc}"}
         if self.control_token is not None and not hmac.compare_digest(
@@ -923,7 +927,8 @@ class ChannelControl:
         if self.token is not None:
             msg = {**msg, "token": self.token}
         try:
-            self.sock.send(encode_header(msg))  # versioned, strict JSON (a NaN is refused here, not there)
+            # versioned, strict JSON (a NaN is refused here, not there)
+            self.sock.send(encode_header(msg, max_bytes=MAX_CONTROL_REQUEST_BYTES))
             raw = self._reply(msg)
         except zmq.Again:
             self._connect()  # a REQ socket is stuck after a lost reply ("lazy pirate")

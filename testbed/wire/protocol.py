@@ -200,7 +200,7 @@ def parse_json(raw: bytes | memoryview | str, *, what: str = "header", max_bytes
         raise ProtocolError(f"{what} is not acceptable JSON ({type(exc).__name__}: {show(str(exc))})") from None
 
 
-def _dumps(body: Any, what: str) -> bytes:
+def _dumps(body: Any, what: str, max_bytes: int = MAX_HEADER_BYTES) -> bytes:
     """Strict JSON on the way out, the receiver's rules (`parse_json`): what we send, a peer accepts."""
     try:
         raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
@@ -210,8 +210,8 @@ def _dumps(body: Any, what: str) -> bytes:
         raise ProtocolError(f"{detail} cannot be sent as strict JSON") from None
     if _canonical_match(raw) is not None:
         return raw  # the text of a round's own header: what the checks below would pass (see `_canonical`)
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"{what} of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    if len(raw) > max_bytes:
+        raise ProtocolError(f"{what} of {len(raw)} bytes exceeds {max_bytes}")
     depth = _nesting_depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise ProtocolError(f"{what}: nesting depth {depth} exceeds {MAX_JSON_DEPTH}; a peer would refuse it")
@@ -236,24 +236,26 @@ def _nonfinite_path(value: Any) -> str | None:
     return None
 
 
-def encode_header(header: dict[str, Any]) -> bytes:
+def encode_header(header: dict[str, Any], max_bytes: int = MAX_HEADER_BYTES) -> bytes:
     """The header frame: ``{"v": PROTOCOL_VERSION, **header}`` as compact strict JSON; ProtocolError (naming
-    the field) on a NaN or infinity, a value JSON cannot carry, or more than MAX_HEADER_BYTES."""
+    the field) on a NaN or infinity, a value JSON cannot carry, or more than `max_bytes` (MAX_HEADER_BYTES:
+    what a device may send; the emulator's control channel, which only the edge uses, allows more)."""
     try:
         body = {"v": PROTOCOL_VERSION, **header}
     except TypeError as exc:
         raise ProtocolError(f"header: {show(header)} is not a mapping ({exc})") from None
-    return _dumps(body, "header")
+    return _dumps(body, "header", max_bytes)
 
 
-def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
+def decode_header(frame: bytes | memoryview, max_bytes: int = MAX_HEADER_BYTES,
+                  max_items: int = MAX_JSON_ITEMS) -> dict[str, Any]:
     """The guarded header decode every node uses (edge, device, emulator): strict JSON (`parse_json`), an
     object with ``v`` == PROTOCOL_VERSION and a short string ``type``; anything else is a ProtocolError.
     A round's own headers as `encode_header` writes them take a shortcut to the same dict (`_canonical`)."""
     header = _canonical(frame)
     if header is not None:
         return header
-    header = parse_json(frame, what="header")
+    header = parse_json(frame, what="header", max_bytes=max_bytes, max_items=max_items)
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
     v = header.get("v")

@@ -197,3 +197,17 @@ def test_run_proxy_is_a_multiprocessing_target(tmp_path):
             proc.join()
         control.close()
         ctx.term()
+
+
+def test_the_links_of_a_thousand_devices_go_through_the_control_channel(bench):
+    """A 1,024-device run's `configure` is 70 kB, more than a device's 64 KiB header: the edge's run ended with
+    a ProtocolError at round 0. The control channel (the edge's only) takes up to 16 MiB."""
+    links = {f"d{i:04d}": {"ul_rate_bps": 1e6 + i, "dl_rate_bps": 2e6 + i} for i in range(1200)}
+    assert len(json.dumps({"type": "configure", "links": links})) > 64 * 1024
+    bench.control.configure(round=0, links=links)
+    d = bench.device("d1199")
+    d.send_multipart([encode_header({"type": "draft", "air": "ul"}), bytes(125)])
+    ident, hdr, _ = bench.edge.recv_multipart()
+    assert ident == b"d1199" and decode_header(hdr)["channel"]["rate_bps"] == pytest.approx(1e6 + 1199)
+    with pytest.raises(ProtocolError, match="exceeds 65536"):  # a device's header keeps its cap
+        encode_header({"type": "draft", "links": links})

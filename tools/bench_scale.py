@@ -102,7 +102,11 @@ def run_once(pair, args, per_process: int, work: Path) -> dict:
     cmd = [sys.executable, "-c", "import sys; from testbed.cli import main; sys.exit(main(sys.argv[1:]))",
            "run", str(prof), "--runs-dir", str(runs), "--quiet", "--no-plots"]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its output goes to a file: a pipe nobody reads while the memory is sampled fills at 64 KiB, and the
+    # summary of a 1,024-device run (a line per device) then blocked the run at its last print.
+    log_path = work / f"run-{args.devices}x{per_process}.out"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     peak_rss = peak_pss = 0
     procs = 0
     try:
@@ -112,11 +116,11 @@ def run_once(pair, args, per_process: int, work: Path) -> dict:
             rss, pss = _memory(pids, pss=True)
             peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
             time.sleep(args.sample_s)
-        out = proc.communicate()[0]
     finally:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(30)
+    out = log_path.read_text()
     elapsed = time.monotonic() - t0
     if proc.returncode != 0:
         raise SystemExit(f"multispin run failed ({proc.returncode}):\n{out[-4000:]}")

@@ -485,14 +485,16 @@ def test_a_live_run_plans_with_probe_estimates_of_both_directions_from_registrat
     # A sweep that cannot tell says why and claims nothing: its direction is planned with the model's rate.
     # ipc moves 16 MiB in a few ms, as short as a loaded host's jitter: 1 sweep of 4 in one CI run of about
     # 15 could not tell (after MAX_REPEATS passes), and 2 of 4 in a full local run (fits of 48.7 and 2.3
-    # Gbit/s beside them), so each direction must fit for one device at least.
+    # Gbit/s beside them); since the sweeps wait for two probes of each size to agree, both UL sweeps once in
+    # a full run (1 of 3; alone 3 of 3 fit). So a sweep may say it cannot tell, and at least one must fit;
+    # that both directions hold within 5% on real links is tests/system/test_link_estimate_tbf_netns.py's.
     fitted = {(x["device"], x["direction"]): x["fit"]["rate_bps"] for x in sweeps if x["fit"] is not None}
     for x in sweeps:
         if x["fit"] is None:
             assert x["error"].startswith("no rate"), x
         else:
             assert x["error"] is None and x["fit"]["rate_bps"] > 1e8, x  # a loopback: far beyond 100 Mbit/s
-    assert {direction for _, direction in fitted} == {"dl", "ul"}, sweeps
+    assert fitted, sweeps
     for r in records:
         for name, d in r["devices"].items():
             src = d["link_rate_source"]

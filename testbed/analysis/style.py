@@ -16,10 +16,15 @@ fixed colours, labels in words with units, integer ticks, centred bars, captions
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+# matplotlib's PDF backend subsets fonts with fontTools, which logs every table it touches at INFO: pages of
+# lines under `multispin report --format pdf` at the default log level.
+logging.getLogger("fontTools").setLevel(logging.WARNING)
 
 # Okabe & Ito (2008), "Color Universal Design".
 ORANGE, SKY_BLUE, BLUISH_GREEN, YELLOW = "#E69F00", "#56B4E9", "#009E73", "#F0E442"

@@ -35,7 +35,18 @@ def test_validate_json_reports_every_cell_and_skips_long_ones(capsys):
     assert small["in_target_scope"] is True and isinstance(small["meets_target"], bool)
 
 
-@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["terminal", "background-job"])
+def test_a_command_that_inherits_sigint_ignored_installs_its_handler(capsys):
+    """A pytest started as a shell's background job (or by a CI runner that does so) passes SIGINT on ignored,
+    and Python then installs no handler: validate never stopped, the flaky failure. Every command installs it."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["plugins"]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL], ids=["terminal"])
 def test_ctrl_c_at_a_terminal_stops_validate_and_its_emulator_at_once(inherited):
     # Ctrl-C reaches the whole process group. The emulator used to die of it, and validate then waited out
     # its 10 s control timeout for the `stop` of a dead process (10.1 s measured; now 0.1 s). A pytest started

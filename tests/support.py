@@ -132,6 +132,20 @@ def start_run(prof: Path, runs: Path, *extra: str, new_session: bool = False) ->
                             start_new_session=new_session)
 
 
+def records_so_far(run_dir: Path) -> list[dict]:
+    """The whole lines of a run's rounds.jsonl: read while the run writes it, the last may be half written."""
+    lines = (Path(run_dir) / "rounds.jsonl").read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines]
+
+
+def device_pid(children: list[int], name: str) -> int:
+    """The pid of device `name`'s `device_node.node` process among `children`."""
+    (pid,) = [p for p in children
+              if b"device_node.node" in (argv := Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0"))
+              and name.encode() in argv]
+    return pid
+
+
 def kill_all(procs) -> None:
     for p in procs:
         if isinstance(p, int):

@@ -14,11 +14,20 @@ import signal
 import statistics
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 import yaml
-from support import CLI, child_pids, kill_all, pid_alive, profile_data, wait_rounds, wait_until
+from support import (
+    CLI,
+    child_pids,
+    device_pid,
+    kill_all,
+    pid_alive,
+    profile_data,
+    records_so_far,
+    wait_rounds,
+    wait_until,
+)
 
 from edge_node.bench import Bench
 from testbed.run.profile import load_profile
@@ -28,20 +37,8 @@ pytestmark = [pytest.mark.live, pytest.mark.timeout(300)]
 DEADLINE_S = 0.4
 
 
-def _records(run_dir: Path) -> list[dict]:
-    raw = (run_dir / "rounds.jsonl").read_text()
-    return [json.loads(line) for line in raw.splitlines()]
-
-
 def _wall(rec: dict) -> float:
     return rec["measured"].get("wall_round_s") or rec["measured"]["round_s"]
-
-
-def _device_pid(children: list[int], name: str) -> int:
-    (pid,) = [p for p in children
-              if b"device_node.node" in (argv := Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0"))
-              and name.encode() in argv]
-    return pid
 
 
 def _slow_down(pid: int, stop: threading.Event) -> None:
@@ -65,12 +62,12 @@ def test_a_slow_device_is_benched_the_others_recover_and_it_rejoins_once_fast(mi
 
     def recs():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        return _records(run_dir)
+        return records_so_far(run_dir)
 
     try:
         run_dir = wait_rounds(tmp_path / "runs", 3, proc)
         children = child_pids(proc.pid)
-        d1 = _device_pid(children, "d1")
+        d1 = device_pid(children, "d1")
         n0 = len(recs())
         slow = threading.Thread(target=_slow_down, args=(d1, stop), daemon=True)
         slow.start()
@@ -90,7 +87,7 @@ def test_a_slow_device_is_benched_the_others_recover_and_it_rejoins_once_fast(mi
     finally:
         stop.set()
         kill_all([proc, *children])
-    records = _records(run_dir)
+    records = records_so_far(run_dir)
     assert [r["round"] for r in records] == list(range(len(records)))
     moved = [r for r in records if "d1" in (r.get("bench_events") or {}).get("benched", [])]
     back = [r for r in records if "d1" in (r.get("bench_events") or {}).get("rejoined", [])]

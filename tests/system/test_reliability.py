@@ -23,7 +23,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import CLI, ROOT, child_pids, kill_all, pid_alive, profile_data, wait_rounds, wait_until
+from support import (
+    CLI,
+    ROOT,
+    child_pids,
+    device_pid,
+    kill_all,
+    pid_alive,
+    profile_data,
+    records_so_far,
+    wait_rounds,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(400)]
 
@@ -53,12 +64,6 @@ def _rounds(run_dir: Path) -> list[int]:
     return rounds
 
 
-def _records(run_dir: Path) -> list[dict]:
-    """The whole lines of rounds.jsonl: read while the run writes it, the last one may be half written."""
-    lines = (run_dir / "rounds.jsonl").read_text().split("\n")[:-1]
-    return [json.loads(line) for line in lines]
-
-
 def _whole(run_dir: Path) -> None:
     """Every line of every record file of the run directory is a whole JSON value."""
     for f in run_dir.glob("*.jsonl"):
@@ -77,11 +82,6 @@ def _gone(pids: list[int]) -> None:
 
 def _cmdlines(pids: list[int]) -> dict[int, list[bytes]]:
     return {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in pids}
-
-
-def _device_pid(children: list[int], name: str) -> int:
-    (pid,) = [p for p, argv in _cmdlines(children).items() if b"device_node.node" in argv and name.encode() in argv]
-    return pid
 
 
 def _exit_2_with_one_error_line(proc, err: str) -> str:
@@ -254,22 +254,22 @@ def test_a_device_paused_8_s_rejoins_the_run(micro_pair, tmp_path):
     try:
         run_dir = wait_rounds(tmp_path / "runs", 3, proc)
         children = child_pids(proc.pid)
-        stopped = _device_pid(children, "d1")
+        stopped = device_pid(children, "d1")
         os.kill(stopped, signal.SIGSTOP)
-        r_stop = len(_records(run_dir))
+        r_stop = len(records_so_far(run_dir))
         timer = threading.Timer(8.0, os.kill, (stopped, signal.SIGCONT))  # the fault's length, not a wait
         timer.start()
         # While stopped: rounds without d1 (its session ended); then d1 served again in 3 rounds.
-        wait_until(lambda: any("d1" not in r["devices"] for r in _records(run_dir)[r_stop:]), 60,
+        wait_until(lambda: any("d1" not in r["devices"] for r in records_so_far(run_dir)[r_stop:]), 60,
                    "rounds without the stopped device")
         timer.join(20)
-        r_cont = len(_records(run_dir))
+        r_cont = len(records_so_far(run_dir))
         print("stopped at", r_stop, "continued at", r_cont)
 
         def served_again():
             assert pid_alive(stopped), (run_dir / "logs" / "device-d1.log").read_text()[-500:]
             return sum("d1" in r["devices"] and not r["devices"]["d1"]["missed"]
-                       for r in _records(run_dir)[r_cont:]) >= 3
+                       for r in records_so_far(run_dir)[r_cont:]) >= 3
 
         wait_until(served_again, 60, "the paused device served again")
         assert pid_alive(stopped)  # the same process, not a restart
@@ -306,13 +306,13 @@ def test_devices_that_miss_a_short_deadline_get_dropped_verdicts_and_serve_on(mi
 
     def recs():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        return _records(run_dir)
+        return records_so_far(run_dir)
 
     try:
         run_dir = wait_rounds(tmp_path / "runs", 3, proc)
         children = child_pids(proc.pid)
         assert len(children) == 5  # the emulator and four devices
-        stopped = _device_pid(children, "d3")
+        stopped = device_pid(children, "d3")
         for _ in range(2):
             n = len(recs())
             os.kill(stopped, signal.SIGSTOP)
@@ -333,7 +333,7 @@ def test_devices_that_miss_a_short_deadline_get_dropped_verdicts_and_serve_on(mi
         kill_all([proc, *children])
     _rounds(run_dir)
     _whole(run_dir)
-    records = _records(run_dir)
+    records = records_so_far(run_dir)
     missed = [r["round"] for r in records if "d3" in r["missed"]]
     out = [r["round"] for r in records if "d3" not in r["devices"]]
     assert len(missed) + len(out) >= 2, (missed, out)
@@ -355,13 +355,13 @@ def test_a_killed_device_restarted_rejoins_the_run(micro_pair, tmp_path):
     try:
         run_dir = wait_rounds(tmp_path / "runs", 3, proc)
         children = child_pids(proc.pid)
-        dead = _device_pid(children, "d1")
+        dead = device_pid(children, "d1")
         argv = [a.decode() for a in _cmdlines([dead])[dead] if a]
         environ = Path(f"/proc/{dead}/environ").read_text().split("\0")
         env = dict(line.split("=", 1) for line in environ if "=" in line)
         os.kill(dead, signal.SIGKILL)
         wait_until(lambda: not pid_alive(dead), 10, "the killed device gone")
-        n = len(_records(run_dir))
+        n = len(records_so_far(run_dir))
         log = open(tmp_path / "restarted-d1.log", "wb")
         restarted = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
@@ -369,7 +369,7 @@ def test_a_killed_device_restarted_rejoins_the_run(micro_pair, tmp_path):
         def served():
             assert restarted.poll() is None, (tmp_path / "restarted-d1.log").read_text()[-500:]
             return sum("d1" in r["devices"] and not r["devices"]["d1"]["missed"]
-                       for r in _records(run_dir)[n:]) >= 3
+                       for r in records_so_far(run_dir)[n:]) >= 3
 
         wait_until(served, 90, "the restarted device served rounds")
         assert restarted.poll() is None

@@ -59,6 +59,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
+LEAVING_GRACE_S = 5.0
+
+
 class Launcher:
     """Owns child processes; `stop_all` terminates each by pid (then kills what does not exit)."""
 
@@ -72,6 +75,7 @@ class Launcher:
         self.keys_dir: str | None = None  # with CURVE keys: devices use <keys_dir>/clients/<name>/
         self.busy_poll = False  # devices started here busy-poll their socket (`testbed.runtime.waiting`)
         self.serve_runs = False  # devices wait for the next run after a bye (a warm pool's, `testbed.run.warm`)
+        self.leaving: set[str] = set()  # processes asked to exit (the emulator after `stop`): waited for too
 
     def start(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         fh = open(self.log_dir / f"{label}.log", "ab")
@@ -184,10 +188,15 @@ class Launcher:
         still runs, and kill what ignores that. Returns each process's exit status."""
         deadline = time.monotonic() + grace_s
         for label, proc in self.procs.items():
-            if label == "channel":  # the emulator leaves on a `stop` request only: no point waiting for it
+            if label == "channel" and label not in self.leaving:  # it leaves on a `stop` request only
                 continue
+            # One asked to leave gets at least LEAVING_GRACE_S: its exit (sockets, interpreter) can lag the
+            # devices' on a busy host, and terminating it then would report a clean exit as -15.
+            wait_s = deadline - time.monotonic()
+            if label in self.leaving:
+                wait_s = max(wait_s, LEAVING_GRACE_S)
             try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
+                proc.wait(max(0.0, wait_s))
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.procs.values():

@@ -706,6 +706,7 @@ def finish(s: LiveSession, status: str, reason: str) -> dict:
             summary["channel_stats"] = s.channel.stats()
             if s.pool is None:  # a pool's emulator serves the next trial, or the pool stops it
                 s.channel.stop()
+                s.launcher.leaving.add("channel")
         except (TimeoutError, RuntimeError) as exc:
             log.warning("channel emulator: %s", exc)
     s.recorder.write_summary(summary)
@@ -835,6 +836,7 @@ def stop_processes(s: LiveSession, finished: bool) -> dict:
     if s.pool is not None and s.channel is not None and not channel_down(s):
         try:  # a pool's emulator was not stopped at the end of the run (`finish`)
             s.channel.stop()
+            s.launcher.leaving.add("channel")
         except (TimeoutError, RuntimeError) as exc:
             log.warning("channel emulator: %s", exc)
     if s.channel is not None:

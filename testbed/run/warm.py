@@ -190,6 +190,7 @@ class WarmPool:
         if self.channel is not None:
             try:
                 self.channel.stop()
+                self.launcher.leaving.add("channel")
             except (TimeoutError, RuntimeError) as exc:
                 log.warning("channel emulator: %s", exc)
             self.channel.close()

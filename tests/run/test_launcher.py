@@ -86,3 +86,14 @@ def test_the_edge_asks_the_stop_check_at_every_tick():
 
     with pytest.raises(Stop):
         server._tick(0.0)
+
+
+@pytest.mark.parametrize("asked_to_leave", [True, False])
+def test_an_emulator_asked_to_stop_is_waited_for_not_terminated(tmp_path, asked_to_leave):
+    # A channel that takes 0.5 s to exit (its sockets, its interpreter on a busy host) after `stop`: its clean
+    # exit is reported as 0, not as the -15 of a terminate; one never asked is terminated at once.
+    runner = launcher.Launcher(tmp_path)
+    runner.start("channel", [sys.executable, "-c", "import time; time.sleep(0.5)"])
+    if asked_to_leave:
+        runner.leaving.add("channel")
+    assert runner.stop_all(grace_s=0.0) == {"channel": 0 if asked_to_leave else -15}

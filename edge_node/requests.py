@@ -73,7 +73,8 @@ class Request:
 
 
 class RequestQueues:
-    """Every device's requests: waiting, in service, done. `write(record)` keeps each finished one's record."""
+    """Every device's requests: waiting, in service, done. `write(record)` keeps each finished one's record;
+    without a writer `done` keeps them (with one it stays empty: a long run's memory must not grow with it)."""
 
     def __init__(self, plans: dict[str, list[Request]], write=None):
         self.waiting = {name: list(reqs) for name, reqs in plans.items()}
@@ -125,9 +126,10 @@ class RequestQueues:
         self.serving, self.waiting = {}, {n: [] for n in self.waiting}
 
     def _keep(self, rec: dict) -> None:
-        self.done.append(rec)
         if self.write is not None:
             self.write(rec)
+        else:
+            self.done.append(rec)
 
     # -- serving -----------------------------------------------------------------------------------
     def ready(self, srv) -> bool:
@@ -204,7 +206,3 @@ class RequestQueues:
             if round_s is not None and pred.get("tokens") is not None:
                 req.predicted_round_s.append(float(round_s))
                 req.predicted_tokens.append(float(pred["tokens"]))
-
-    def snapshot(self) -> list[dict]:
-        """The records of the requests finished so far (for a live view)."""
-        return list(self.done)

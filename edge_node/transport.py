@@ -35,6 +35,9 @@ REFUSAL_LOG_BURST = 20  # refusals logged per second; beyond that they are count
 # After this many refused messages and this long without one, the flood is over: the freed heap goes back to
 # the kernel (`testbed.runtime.heap.release_freed_memory`; the edge keeps 256 MiB of it otherwise).
 FLOOD_TRIM_REFUSALS, FLOOD_QUIET_S = 1_000, 1.0
+# A slow trickle of refusals (a hostile device registering again and again, each time a session and its KV cache
+# built and dropped) frees as much over time: after this long with any refusal since the last trim, trim too.
+TRICKLE_TRIM_S = 30.0
 HELD_MAX_MESSAGES = 10_000
 HELD_MAX_BYTES = 256 << 20
 # With `measure_links`, the heartbeat thread looks at the socket this often during a long call, so that what it
@@ -68,7 +71,7 @@ class EdgeSocket:
         self._claim: tuple[str, bytes] | None = None  # (name, connection) a `register` in hand would move it to
         self._in_hand: list = []  # the last message's first frames (`recv`): a refusal logs its sender's address
         self.refused = 0
-        self._refused_at_trim, self._last_refusal = 0, 0.0
+        self._refused_at_trim, self._last_refusal, self._trimmed_at = 0, 0.0, time.monotonic()
         self.refusals: Counter[str] = Counter()  # reason -> refused messages
         self._refusal_log = security.LogThrottle(log, REFUSAL_LOG_BURST, "refused messages")
         self._beat = M.heartbeat()
@@ -164,10 +167,13 @@ class EdgeSocket:
 
     def flush_log(self, now: float) -> None:
         self._refusal_log.flush(now)
-        if self.refused - self._refused_at_trim >= FLOOD_TRIM_REFUSALS and now - self._last_refusal >= FLOOD_QUIET_S:
-            self._refused_at_trim = self.refused
+        since = self.refused - self._refused_at_trim
+        due = since >= FLOOD_TRIM_REFUSALS or (since > 0 and now - self._trimmed_at >= TRICKLE_TRIM_S)
+        if due and now - self._last_refusal >= FLOOD_QUIET_S:
+            self._refused_at_trim, self._trimmed_at = self.refused, now
             released = release_freed_memory()
-            log.info("edge: a flood ended (%d refused messages in all): freed heap %s", self.refused,
+            log.info("edge: %s ended (%d refused messages in all): freed heap %s",
+                     "a flood" if since >= FLOOD_TRIM_REFUSALS else "a trickle of refusals", self.refused,
                      "given back to the system" if released else "had nothing to give back")
 
     # -- in --------------------------------------------------------------------------------------

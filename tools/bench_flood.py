@@ -66,6 +66,9 @@ def profile(pair, endpoints: dict) -> dict:
     return {"name": "flood", "rounds": 10_000_000, "seed": 7, "deadline_s": 3.0, "max_misses": 2,
             "prompts": ["def parse(text):", "import os", "class A:"], "start_devices": False,
             "wait_for_devices_s": 10, "channel": {"mode": "real"}, "endpoints": endpoints,
+            # Requests of 32 tokens, each a fresh session: the edge's KV caches and the verification's cost stay
+            # level (one endless generation grows both with every round, which no flood is to blame for).
+            "requests": {"arrival": "closed", "count": 5000, "max_new_tokens": 32},
             "model": {"pair": "local", "target": str(pair.target_dir), "draft_onnx": str(pair.draft_onnx),
                       "tokenizer": str(pair.tokenizer)},
             "scenario": {"bits_per_prob": 16, "max_draft_len": 4, "uplink_bandwidth_hz": 2e6,
@@ -226,6 +229,9 @@ def main() -> int:
     ap.add_argument("--hostile-s", type=float, default=60.0, help="seconds of the hostile registered device")
     ap.add_argument("--baseline-s", type=float, default=10.0)
     ap.add_argument("--after-s", type=float, default=15.0)
+    ap.add_argument("--control", action="store_true",
+                    help="send nothing hostile (the hostile phase is a wait of --hostile-s): the run's own memory "
+                         "growth and rounds/s over the same phases, to set beside a flood's")
     args = ap.parse_args()
     pair = micro_pair(args.pair)
     work = Path(tempfile.mkdtemp(prefix="bench-flood-"))
@@ -248,13 +254,19 @@ def main() -> int:
         baseline = sampler.rate(t_b0, t_b1)
         rss0 = sampler.rss_at(t_b1)
         t_f0 = time.monotonic()
-        flood(edge, args.messages, seed=1)
+        if not args.control:
+            flood(edge, args.messages, seed=1)
         during_edge = sampler.rate(t_f0, time.monotonic())
         t_f1 = time.monotonic()
-        flood(front, args.messages, seed=2)
+        if not args.control:
+            flood(front, args.messages, seed=2)
         during_front = sampler.rate(t_f1, time.monotonic())
         t_h0 = time.monotonic()
-        hostile = hostile_device(front, 320, args.hostile_s)
+        if args.control:
+            time.sleep(args.hostile_s)
+            hostile = None
+        else:
+            hostile = hostile_device(front, 320, args.hostile_s)
         t_end = time.monotonic()
         during_hostile = sampler.rate(t_h0, t_end)
         time.sleep(args.after_s)
@@ -274,8 +286,12 @@ def main() -> int:
                                  "after_10_s": sampler.verify_median_ms(t_end, t_end + 10.0)},
             "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
             "recovery_s": recovery, "recovered_within_10_s": recovery is not None and recovery <= 10.0,
-            "edge_rss_mb": {"baseline": rss0 / 1024, "after": rss1 / 1024, "growth": (rss1 - rss0) / 1024},
-            "messages": args.messages, "hostile_s": args.hostile_s, "hostile_device": hostile,
+            "edge_rss_mb": {"baseline": rss0 / 1024, "after": rss1 / 1024, "growth": (rss1 - rss0) / 1024,
+                            "after_edge_flood": sampler.rss_at(t_f1) / 1024,
+                            "after_frontend_flood": sampler.rss_at(t_h0) / 1024,
+                            "after_hostile_device": sampler.rss_at(t_end) / 1024},
+            "control": args.control, "messages": 0 if args.control else args.messages, "hostile_s": args.hostile_s,
+            "hostile_device": hostile,
         })
     finally:
         sampler.stop.set()

@@ -14,6 +14,7 @@ Run: python tools/bench_optimizer.py [--repeats R] [--sizes 8,32,128,512] [--aga
      [--set dl_provisioning=expected --set rounds=asynchronous ...]   (scenario fields of every drop)
      [--default-malloc] [--ul-access dedicated|fdma_shared]   (a shared uplink: B^U = N x 1 MHz, the same spectrum)
      [--against-file PATH]   (an optimizer.py to compare with instead of the revision's, e.g. uncommitted work)
+     [--against-uplink PATH] (and an uplink.py: the comparison's model and optimizer then use it, not this tree's)
 """
 
 from __future__ import annotations
@@ -40,23 +41,36 @@ TARGETS_S = {128: 0.015, 512: 0.100,       # issue 12
              1024: 0.100, 4096: 1.0}       # issue 36 (dedicated and fdma_shared: --ul-access)
 
 
-def load_revision(rev: str, optimizer_file: str | None = None):
+def _load_module(name: str, src: str, origin: str):
+    mod = types.ModuleType(name)
+    sys.modules[name] = mod  # dataclasses look their module up
+    exec(compile(src, origin, "exec"), mod.__dict__)
+    return mod
+
+
+def load_revision(rev: str, optimizer_file: str | None = None, uplink_file: str | None = None):
     """The `plan` function of git revision `rev` (its optimizer and DL power solver; the rest is this tree's);
-    optimizer_file: that optimizer.py instead of the revision's (e.g. a saved copy of uncommitted work)."""
+    optimizer_file: that optimizer.py instead of the revision's (e.g. a saved copy of uncommitted work);
+    uplink_file: that uplink.py for the optimizer and for this tree's model (the shared band's split)."""
     def source(path):
         if optimizer_file and path.endswith("optimizer.py"):
             return Path(optimizer_file).read_text()
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout
-    power = types.ModuleType(f"_bench_power_{rev}")
-    exec(compile(source("testbed/core/power.py"), f"{rev}:testbed/core/power.py", "exec"), power.__dict__)
-    sys.modules[power.__name__] = power
+    power = _load_module(f"_bench_power_{rev}", source("testbed/core/power.py"), f"{rev}:testbed/core/power.py")
     opt_src = source("testbed/core/optimizer.py").replace(
         "from testbed.core.power import", f"from {power.__name__} import")
-    opt = types.ModuleType(f"_bench_optimizer_{rev}")
-    sys.modules[opt.__name__] = opt  # dataclasses look their module up
-    exec(compile(opt_src, f"{rev}:testbed/core/optimizer.py", "exec"), opt.__dict__)
-    return opt.plan
+    if uplink_file:
+        up = _load_module(f"_bench_uplink_{rev}", Path(uplink_file).read_text(), uplink_file)
+        model_src = (ROOT / "testbed/core/model.py").read_text().replace(
+            "from testbed.core import radio, uplink", f"from testbed.core import radio\nimport {up.__name__} as uplink")
+        mdl = _load_module(f"_bench_model_{rev}", model_src, "testbed/core/model.py")
+        opt_src = opt_src.replace("from testbed.core import model, payload, radio, uplink",
+                                  f"from testbed.core import payload, radio\nimport {up.__name__} as uplink\n"
+                                  f"import {mdl.__name__} as model")
+        if f"import {mdl.__name__} as model" not in opt_src or f"import {up.__name__} as uplink" not in model_src:
+            raise ImportError("--against-uplink: the optimizer's or model's import of uplink has changed")
+    return _load_module(f"_bench_optimizer_{rev}", opt_src, f"{rev}:testbed/core/optimizer.py").plan
 
 
 def timer(fn, sc, policy):
@@ -79,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--against", default="HEAD", help="git revision to compare with (default HEAD)")
     ap.add_argument("--against-file", metavar="PATH",
                     help="compare with this optimizer.py (a saved copy of uncommitted work; power.py from --against)")
+    ap.add_argument("--against-uplink", metavar="PATH",
+                    help="and this uplink.py for the comparison's optimizer and model (a saved copy)")
     ap.add_argument("--no-compare", action="store_true", help="time this tree only")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a scenario field for every drop, e.g. dl_provisioning=expected (repeatable)")
@@ -127,7 +143,7 @@ def main() -> int:
     old_plan = None
     if not args.no_compare:
         try:
-            old_plan = load_revision(args.against, args.against_file)
+            old_plan = load_revision(args.against, args.against_file, args.against_uplink)
             if args.against_file:
                 args.against = Path(args.against_file).stem[:10]
         except (subprocess.CalledProcessError, OSError, SyntaxError, ImportError) as exc:

@@ -75,6 +75,11 @@ _INCREMENTAL_MIN_N = 48
 _BOUNDED_MIN_ROWS = 32
 _BEST_FIRST_MIN = 64  # fewer open (row, K) pairs than this are solved in one call
 _ASYNC_CHUNK = 4_000_000  # asynchronous rounds score (rows, K, devices) arrays: this many entries at a time
+# A shared uplink's cold splits are kept per scorer for calls of up to this many rows (not the exhaustive
+# search's batches), up to about this many (row, device) entries
+_SPLIT_CACHE_ROWS = 64
+_SPLIT_CACHE_ENTRIES = 1 << 20
+_COLD = object()  # `Scorer.shared_up`'s start_s: split without a warm start and without the cache
 
 
 class Scorer:
@@ -99,6 +104,7 @@ class Scorer:
                                                     tb.dl_gains, self.n0)
         self.evaluations = 0
         self.greedy_fixed, self.sweep_orders = {}, {}  # per mode vector (`fixed_greedy`), pattern (`_sweep_order`)
+        self.split_cache: dict[bytes, tuple] = {}  # (L, modes) row -> its cold split (`_cached_shared_up`)
         self.sync = sc.rounds == "synchronous"
         self.t_over = sc.round_overhead_s
         # flat tables: entry j * lmax + (L - 1)
@@ -191,11 +197,13 @@ class Scorer:
         a schedule below all rows in the same modes), where the split's Newton starts (`uplink.split`)."""
         L = np.asarray(L)
         ul = np.asarray(ul, bool)
+        if start_s is None and L.ndim == 2 and L.shape[0] <= _SPLIT_CACHE_ROWS:
+            return self._cached_shared_up(L, np.broadcast_to(ul, L.shape))
         tb = self.tb
         idx = self._index(L)
         bits = np.where(ul, tb.bits_ul.ravel()[idx], tb.bits_dl.ravel()[idx])
         draft = tb.draft_s.ravel()[idx]
-        if start_s is None:
+        if start_s is None or start_s is _COLD:
             bands, _ = model.shared_ul_split(self.sc, bits, draft, tb.snr_hz, tb.fixed_ul)
         else:  # the same split (`shared_inputs` is model.shared_ul_split's handling of fixed rates), warm
             S, before = self.shared_inputs(idx, ul)
@@ -206,6 +214,27 @@ class Scorer:
             rate = np.where(fixed, tb.fixed_ul, radio.shannon_rate_bps(bands, tb.snr_hz * self.n0, 1.0, self.n0))
             up = draft + bits / rate
         return up, bands
+
+    def _cached_shared_up(self, L, ul):
+        """`shared_up` without a warm start, each distinct (L, modes) row split once per scorer: `proposed`
+        scores the same schedules in several places (the greedy's start and its bounds' base, the candidates,
+        the polish). A row's cold split does not depend on the rows split with it (`uplink.split`), so a
+        cached row is bit for bit the row split again."""
+        cache = self.split_cache
+        keys = [L[i].tobytes() + ul[i].tobytes() for i in range(L.shape[0])]
+        missing: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            if key not in cache:
+                missing.setdefault(key, i)
+        found: dict[bytes, tuple] = {}
+        if missing:
+            rows = np.fromiter(missing.values(), int, len(missing))
+            up, bands = self.shared_up(L[rows], ul[rows], start_s=_COLD)
+            found = {key: (up[j], bands[j]) for j, key in enumerate(missing)}
+            if len(cache) * self.n <= _SPLIT_CACHE_ENTRIES:
+                cache.update(found)
+        rows = [found[k] if k in found else cache[k] for k in keys]
+        return np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
 
     def fixed(self, L, ul, equal_power: bool = False, floor: float | None = None, up=None):
         """Goodput for given modes ul (C, N) bool; returns (G, T). `up`: each device's uplink phase (C, N)
@@ -1010,10 +1039,16 @@ def _level_sweep(L, tab, thr, tables, tab_order=None):
     sel = tab_order[above.ravel()[tab_order]]  # flat entries above L, in time order
     times = tab.ravel()[sel]
     at = np.searchsorted(times, thr, side="right")
-    sums = []
-    for V in tables:
-        gain = np.diff(V, axis=1, prepend=0.0).ravel()[sel]  # V(l) - V(l - 1): the event of length l
-        sums.append(V[np.arange(n), L - 1].sum() + np.concatenate([[0.0], np.cumsum(gain)])[at])
+    # Only the events up to the last threshold are counted: the gains V(l) - V(l - 1) of those alone (the
+    # cumulative sums of a prefix are the prefix of the cumulative sums), every table in one array
+    used = sel[:at.max(initial=0)]
+    flat = [V.ravel() for V in tables]
+    gain = np.array([f[used] for f in flat]).reshape(len(flat), used.size)
+    gain[:, used % lmax > 0] -= np.array([f[used - 1] for f in flat]).reshape(gain.shape)[:, used % lmax > 0]
+    cum = np.zeros((len(flat), used.size + 1))
+    np.cumsum(gain, axis=1, out=cum[:, 1:])
+    at_L = np.arange(n) * lmax + L - 1
+    sums = list(np.array([f[at_L] for f in flat]).reshape(len(flat), n).sum(axis=1)[:, None] + cum[:, at])
     level, dev = sel % lmax + 1, sel // lmax
     top = np.zeros(times.size + 1, int)
     top_dev = np.full(at.shape, -1)

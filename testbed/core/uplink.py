@@ -27,9 +27,44 @@ import numpy as np
 LN2 = float(np.log(2.0))
 
 
+def _start_table(step: float = 0.002):
+    """The root of ln(1 + x) = c x tabulated for the solver's start: ln x at points evenly spaced in
+    w = ln(-ln c) (ln x is smooth in w at both ends: ~w + ln 2 as c -> 1, ~e^w as c -> 0), from x = 1e-9 to
+    1e18. Linear interpolation in w starts Newton within 2e-5 (relative) of the root."""
+    t = np.arange(np.log(1e-9), np.log(1e18), step / 8)  # ln x, dense
+    x = np.exp(t)
+    w = np.log(-np.log(np.log1p(x) / x))
+    w_even = np.arange(w[0], w[-1], step)
+    t_even = np.interp(w_even, w, t)
+    return float(w_even[0]), float(step), t_even, np.diff(t_even)
+
+
+_W0, _DW, _LNX, _DLNX = _start_table()
+_C_MAX, _C_MIN = np.exp(-np.exp(_W0)), np.exp(-np.exp(_W0 + _DW * (_LNX.size - 1)))
+
+
+def _root_start(cc):
+    """A start for the root x of ln(1 + x) = c x (c in (0, 1)), and whether some entry is outside the table:
+    the table (`_start_table`) where c is in its range, else a point right of the root."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = (np.log(-np.log(cc)) - _W0) / _DW
+    i = p.astype(np.intp)
+    np.clip(i, 0, _LNX.size - 2, out=i)
+    x = np.exp(_LNX[i] + (p - i) * _DLNX[i])
+    if cc.size == 0 or (cc.min() > _C_MIN and cc.max() < _C_MAX):
+        return x, False
+    # ln(1 + x) <= sqrt(x) gives x = 1 / c^2; near c = 1, ln(1 + x) <= x - x^2 / 6 on [0, 1] gives x = 6 (1 - c);
+    # for small c, (2 / c) ln(2 / c) (with y = 2 / c >= 2, 1 + y ln y < y^2). All right of the root.
+    far = np.minimum(1.0 / cc ** 2, (2.0 / cc) * np.log(2.0 / cc))
+    near = 6.0 * (1.0 - cc)
+    far = np.where(near <= 1.0, np.minimum(far, near), far)
+    return np.where((cc > _C_MIN) & (cc < _C_MAX), x, far), True
+
+
 def band_for_rate_hz(rate_bps, snr_hz, iters: int = 60):
     """The band b with b log2(1 + a / b) = rate, a = p g / N_0 (Hz): 0 for rate 0, inf where rate >= a / ln 2
-    (no band is enough: the rate of an infinite band at that power). Vectorised."""
+    (no band is enough: the rate of an infinite band at that power). Vectorised; each entry's result is its
+    own (the same whatever else is solved with it: `split` of one row alone or among others)."""
     rho = np.asarray(rate_bps, float)
     a = np.asarray(snr_hz, float)
     rho, a = np.broadcast_arrays(rho, a)
@@ -37,26 +72,31 @@ def band_for_rate_hz(rate_bps, snr_hz, iters: int = 60):
         c = rho * LN2 / a
     ok = (c > 0) & (c < 1)
     cc = np.where(ok, c, 0.5)
-    # Start right of the root of h(x) = ln(1 + x) - c x (concave): ln(1 + x) <= sqrt(x) gives x = 1 / c^2;
-    # near c = 1, ln(1 + x) <= x - x^2 / 6 on [0, 1] gives x = 6 (1 - c). Newton then descends onto the root.
-    # For small c, (2 / c) ln(2 / c) is right of the root too (with y = 2 / c >= 2, 1 + y ln y < y^2) and much
-    # nearer: fewer Newton steps.
-    x = np.minimum(1.0 / cc ** 2, (2.0 / cc) * np.log(2.0 / cc))
-    near = 6.0 * (1.0 - cc)
-    x = np.where(near <= 1.0, np.minimum(x, near), x)
-    for _ in range(iters):
+    # Newton on h(x) = ln(1 + x) - c x (concave) from the tabulated start (within 2e-5 of the root; where that
+    # start is left of the root the first step lands right of it, and from there Newton descends onto it)
+    x, far = _root_start(cc)
+    done = None
+    for i in range(iters):
         lg = np.log1p(x)
         h = lg - cc * x
-        dh = 1.0 / (1.0 + x) - cc
-        step = h / dh
-        x_new = np.maximum(x - step, 0.5 * x)  # stays right of 0 (the trivial root)
-        # Done when no step moves x by more than 2 ulp, or h is at the level of its own rounding (near c = 1
-        # h is a difference of two nearly equal terms and Newton then hops between neighbouring floats: it
-        # used to run all `iters` steps there). Newton converges quadratically: this step lands on the root.
-        if np.all((np.abs(x_new - x) <= 4e-16 * x) | (np.abs(h) <= 1e-15 * (lg + cc * x))):
+        step = h / (1.0 / (1.0 + x) - cc)
+        x_new = x - step
+        if far:  # from far right of the root: stay right of 0 (the trivial root); never binds near the root
+            x_new = np.maximum(x_new, 0.5 * x)
+        if i == 0:  # the start is ~1e-5 off: no test yet
             x = x_new
+            continue
+        # An entry is done after a step within 1e-8 of x: Newton converges quadratically (the relative error
+        # after a step is at most about the square of the step's), so that step lands on the root to rounding.
+        # Or once h is at the level of its own rounding (near c = 1 h is a difference of two nearly equal terms
+        # and Newton then hops between neighbouring floats). Each entry stops on its own test.
+        converged = np.abs(step) <= 1e-8 * x
+        if not (converged if done is None else converged | done).all():
+            converged |= np.abs(h) <= 1e-15 * (lg + cc * x)
+        x = x_new if done is None else np.where(done, x, x_new)
+        done = converged if done is None else done | converged
+        if done.all():
             break
-        x = x_new
     with np.errstate(divide="ignore", invalid="ignore"):
         b = a / x
     return np.where(ok, b, np.where(rho <= 0, 0.0, np.inf))
@@ -68,6 +108,31 @@ def rate_bps(band_hz, snr_hz):
     with np.errstate(divide="ignore", invalid="ignore"):
         r = b * np.log1p(np.asarray(snr_hz, float) / b) / LN2
     return np.where(b > 0, r, 0.0)
+
+
+def _excess(U, S, c, a, band, B: float, bmin: float):
+    """At deadlines U (...): each device's band need beta(S_k / (U - c_k), a_k) (0 where S_k = 0), F(U) =
+    sum_k max(b_min, need_k) - B and dF/dU (<= 0)."""
+    gap = U[..., None] - c
+    rho = np.where(band, S / gap, 0.0)
+    need = np.where(band, band_for_rate_hz(rho, a), 0.0)
+    F = np.maximum(need, bmin).sum(-1) - B
+    active = band & (need > bmin)
+    x = a / np.where(active, need, 1.0)
+    drho_db = np.log1p(x) / LN2 - x / ((1.0 + x) * LN2)
+    dF = np.where(active, -(rho / gap) / drho_db, 0.0).sum(-1)
+    return need, F, dF
+
+
+def _v_newton(U, F, dF):
+    """The Newton step on F in V = 1 / U, as a deadline: F is convex and increasing in V too (rho_k =
+    S_k V / (1 - c_k V) is convex in V, beta convex in rho), so from either side of the root the tangent's zero
+    in V is at or above the root's (U at or left of U*). In U: U / (1 - delta / U) with delta = -F / F', the
+    U-Newton step: far left of the root, where F ~ A / U - B, U-Newton only doubles U a step (10 steps from
+    the cold start at N = 1,024); V-Newton is nearly exact there. inf where the tangent has no zero at V > 0."""
+    delta = np.where(dF < 0, -F / dF, 0.0)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return np.where(delta < U, U / (1.0 - delta / U), np.inf)
 
 
 def split(bits, before_s, snr_hz, total_hz: float, min_hz: float, iters: int = 100, start_s=None):
@@ -88,28 +153,22 @@ def split(bits, before_s, snr_hz, total_hz: float, min_hz: float, iters: int = 1
         # U* is at least the slowest device's time with all the band the others leave it, at most the
         # slowest time of the equal split (feasible: b_min <= B / N)
         U = tau(np.full(S.shape, B - (n - 1) * bmin)).max(-1)
+        U_hi = tau(np.full(S.shape, B / n)).max(-1)
         if start_s is not None:
             U = np.maximum(U, start_s)
-        U_hi = tau(np.full(S.shape, B / n)).max(-1)
+        else:  # cold: the V-tangent at U_hi (F <= 0 there) is a lower bound too, usually far nearer
+            _, F, dF = _excess(U_hi, S, c, a, band, B, bmin)
+            U = np.maximum(U, np.where((F < 0) & (dF < 0), _v_newton(U_hi, F, dF), U))
         done = np.zeros(U.shape, bool)
         for _ in range(iters):
-            gap = U[..., None] - c
-            rho = np.where(band, S / gap, 0.0)
-            need = np.where(band, band_for_rate_hz(rho, a), 0.0)
-            b = np.maximum(need, bmin)
-            F = b.sum(-1) - B
-            active = band & (need > bmin)
-            x = a / np.where(active, need, 1.0)
-            drho_db = np.log1p(x) / LN2 - x / ((1.0 + x) * LN2)
-            dF = np.where(active, -(rho / gap) / drho_db, 0.0).sum(-1)
-            step = np.where(dF < 0, -F / dF, 0.0)
-            U_new = np.minimum(U + np.maximum(step, 0.0), np.maximum(U_hi, U))
+            need, F, dF = _excess(U, S, c, a, band, B, bmin)
+            U_new = np.minimum(np.maximum(_v_newton(U, F, dF), U), np.maximum(U_hi, U))
             done |= (F <= 1e-13 * B) | (U_new - U <= 1e-15 * U)
             U = np.where(done, U, U_new)
             if done.all():
-                break
-        gap = U[..., None] - c
-        need = np.where(band, band_for_rate_hz(np.where(band, S / gap, 0.0), a), 0.0)
+                break  # `need` is at U: every row is done at the U it was last evaluated at
+        else:
+            need = _excess(U, S, c, a, band, B, bmin)[0]
         b = np.maximum(np.where(np.isfinite(need), need, B), bmin)
     # Newton stops within rounding of the root, on either side: rescale the shares above b_min so that the
     # band sums to B exactly (all at b_min: the rest equally)

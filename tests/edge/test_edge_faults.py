@@ -776,3 +776,28 @@ def test_the_heap_is_given_back_once_a_flood_of_refused_messages_ends(ipc, caplo
     finally:
         rogue.close(linger=0)
         server.close()
+
+
+def test_a_trickle_of_refusals_gets_the_heap_trimmed_too(ipc, caplog, monkeypatch):
+    """A hostile device that registers again and again is refused a few times a minute, never 1,000 times, yet
+    each time a session and its KV cache were built and dropped: TRICKLE_TRIM_S after the last trim, with a
+    refusal since and FLOOD_QUIET_S quiet, the heap is trimmed; without a refusal it is not."""
+    from edge_node import transport
+
+    monkeypatch.setattr(transport, "TRICKLE_TRIM_S", 0.5)
+    server = make_server(ipc)
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(ipc)
+    trimmed = lambda: [r for r in caplog.records if "a trickle of refusals ended" in r.getMessage()]  # noqa: E731
+    try:
+        with caplog.at_level(logging.INFO, logger="multispin.edge"):
+            server.poll(time.monotonic() + 2 * transport.FLOOD_QUIET_S)  # past TRICKLE_TRIM_S, no refusal
+            assert not trimmed()
+            for _ in range(3):
+                rogue.send_multipart([b"not json"])
+            server.poll(time.monotonic() + 10 * transport.FLOOD_QUIET_S, stop=lambda: bool(trimmed()))
+            assert len(trimmed()) == 1 and server.refused == 3
+    finally:
+        rogue.close(linger=0)
+        server.close()

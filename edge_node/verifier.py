@@ -65,11 +65,24 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# Below this many parameters a target's ops take microseconds: a second intra-op thread only adds a barrier, and
+# when another process holds a core the barrier waits for a descheduled thread (micro pair, 2 cores: verify
+# 1.1 ms on 1 thread, 2.0 ms on 2 quiet, 28-48 ms on 2 with the other core busy; docs/performance.md).
+SMALL_TARGET_PARAMS = 50_000_000
+
+
+def auto_threads(model) -> int | None:
+    """The `threads: auto` of a target: 1 below SMALL_TARGET_PARAMS, else None (torch's default)."""
+    return 1 if sum(p.numel() for p in model.parameters()) < SMALL_TARGET_PARAMS else None
+
+
 class BatchedVerifier:
-    def __init__(self, model, device: str | None = None, *, threads: int | None = None) -> None:
+    def __init__(self, model, device: str | None = None, *, threads: int | str | None = None) -> None:
+        if threads == "auto":
+            threads = auto_threads(model)
         if threads is not None:
-            if int(threads) != threads or threads < 1:
-                raise ValueError(f"threads={threads!r}: must be an integer >= 1")
+            if isinstance(threads, str) or int(threads) != threads or threads < 1:
+                raise ValueError(f"threads={threads!r}: must be an integer >= 1, auto or None")
             torch.set_num_threads(int(threads))
         self.device = torch.device(device or default_device())
         self.model = model.to(self.device).eval()

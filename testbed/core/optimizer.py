@@ -122,7 +122,7 @@ class Scorer:
         self.key_is_up = sc.ul_protocol == "eager"
         key = self.flat["up_u"] if self.key_is_up else self.flat["post_u"]
         dev = np.repeat(np.arange(n), lmax)
-        order = np.lexsort((np.tile(np.arange(lmax), n), dev, key))
+        order = np.argsort(key, kind="stable")  # ties by flat index: by device, then L (as a lexsort would)
         self.rank = np.empty(n * lmax, np.int32)
         self.rank[order] = np.arange(n * lmax, dtype=np.int32)
         self.by_rank = {k: v[order] for k, v in self.flat.items()}

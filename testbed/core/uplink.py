@@ -112,7 +112,7 @@ def rate_bps(band_hz, snr_hz):
 
 def _excess(U, S, c, a, band, B: float, bmin: float):
     """At deadlines U (...): each device's band need beta(S_k / (U - c_k), a_k) (0 where S_k = 0), F(U) =
-    sum_k max(b_min, need_k) - B and dF/dU (<= 0)."""
+    sum_k max(b_min, need_k) - B, dF/dU (<= 0), and each device's d max(b_min, need_k) / dU."""
     gap = U[..., None] - c
     rho = np.where(band, S / gap, 0.0)
     need = np.where(band, band_for_rate_hz(rho, a), 0.0)
@@ -120,8 +120,8 @@ def _excess(U, S, c, a, band, B: float, bmin: float):
     active = band & (need > bmin)
     x = a / np.where(active, need, 1.0)
     drho_db = np.log1p(x) / LN2 - x / ((1.0 + x) * LN2)
-    dF = np.where(active, -(rho / gap) / drho_db, 0.0).sum(-1)
-    return need, F, dF
+    slope = np.where(active, -(rho / gap) / drho_db, 0.0)
+    return need, F, slope.sum(-1), slope
 
 
 def _v_newton(U, F, dF):
@@ -157,19 +157,26 @@ def split(bits, before_s, snr_hz, total_hz: float, min_hz: float, iters: int = 1
         if start_s is not None:
             U = np.maximum(U, start_s)
         else:  # cold: the V-tangent at U_hi (F <= 0 there) is a lower bound too, usually far nearer
-            _, F, dF = _excess(U_hi, S, c, a, band, B, bmin)
+            _, F, dF, _ = _excess(U_hi, S, c, a, band, B, bmin)
             U = np.maximum(U, np.where((F < 0) & (dF < 0), _v_newton(U_hi, F, dF), U))
         done = np.zeros(U.shape, bool)
+        final = np.zeros(S.shape)
         for _ in range(iters):
-            need, F, dF = _excess(U, S, c, a, band, B, bmin)
+            need, F, dF, slope = _excess(U, S, c, a, band, B, bmin)
             U_new = np.minimum(np.maximum(_v_newton(U, F, dF), U), np.maximum(U_hi, U))
-            done |= (F <= 1e-13 * B) | (U_new - U <= 1e-15 * U)
+            step = np.where(F <= 1e-13 * B, 0.0, U_new - U)  # at the root to rounding: no step
+            # A row stops at a step within 1e-8 of U: Newton converges quadratically, so the step lands on the
+            # root to rounding, and the needs there are the linear ones to rounding (no band solve at U_new)
+            stop = ~done & (step <= 1e-8 * U)
+            moved = np.where(step[..., None] > 0, need + slope * step[..., None], need)
+            final = np.where(stop[..., None], moved, final)
+            done |= stop
             U = np.where(done, U, U_new)
             if done.all():
-                break  # `need` is at U: every row is done at the U it was last evaluated at
+                break
         else:
-            need = _excess(U, S, c, a, band, B, bmin)[0]
-        b = np.maximum(np.where(np.isfinite(need), need, B), bmin)
+            final = np.where(done[..., None], final, _excess(U, S, c, a, band, B, bmin)[0])
+        b = np.maximum(np.where(np.isfinite(final), final, B), bmin)
     # Newton stops within rounding of the root, on either side: rescale the shares above b_min so that the
     # band sums to B exactly (all at b_min: the rest equally)
     extra = b - bmin

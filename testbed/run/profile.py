@@ -123,9 +123,18 @@ class ModelSettings(_Strict):
     draft_onnx: str | None = Field(default=None, description="the draft's ONNX file (pair: local)")
     tokenizer: str | None = Field(default=None, description="tokenizer JSON or HF dir (pair: local)")
     device: str | None = Field(default=None, description="torch device of the target (default: cuda if any)")
-    # torch intra-op threads of the edge; on a host shared with emulated devices 1 avoids thread contention
-    # (measured here: micro target verify 98 ms with 2 threads under load vs 10 ms with 1).
-    threads: int | None = Field(default=None, ge=1, description="None: torch's default")
+    # torch intra-op threads of the edge (edge_node.verifier.auto_threads: 1 for a small target, whose ops are too
+    # short to pay for a thread barrier and stall 25x when another process holds a core; torch's default above).
+    threads: int | Literal["auto"] | None = Field(
+        default="auto", description="torch threads of the target: auto (1 below 50 M parameters, else torch's "
+                                    "default), a number >= 1, or null (torch's default)")
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"{v}: must be >= 1, auto or null")
+        return v
 
     @model_validator(mode="after")
     def _local_paths(self):

@@ -437,6 +437,27 @@ def test_level_sweep_with_a_kept_order_is_the_sorted_sweep():
                 assert np.array_equal(x, y)
 
 
+def test_level_sweep_over_the_events_up_to_the_last_threshold_is_the_full_sweep():
+    """`_level_sweep` gathers the gains of the events up to the last threshold only, every table in one array
+    (a shared uplink's bound has 28 tables of N L_max entries): exactly the sums of the sweep over every event,
+    one table at a time, at sizes where numpy's pairwise sums differ from sequential ones."""
+    rng = np.random.default_rng(3664)
+    for _ in range(20):
+        n, lmax = int(rng.integers(1, 1500)), int(rng.integers(1, 17))
+        tab = np.sort(rng.integers(0, 40, (n, lmax)), axis=1) * 0.01
+        L = rng.integers(1, lmax + 1, n)
+        thr = np.sort(rng.uniform(-0.01, 0.3, int(rng.integers(1, 40))))
+        tables = [np.cumsum(rng.random((n, lmax)), axis=1) * 10 ** rng.uniform(-3, 9)
+                  for _ in range(int(rng.integers(1, 30)))]
+        ref = sorted_sweep(L, tab, thr, tables)
+        got = optimizer._level_sweep(L, tab, thr, tables, np.argsort(tab.ravel(), kind="stable"))
+        assert len(got[0]) == len(ref[0])
+        for x, y in zip(got[0], ref[0]):
+            assert np.array_equal(x, y)
+        for x, y in zip(got[1:], ref[1:]):
+            assert np.array_equal(x, y)
+
+
 def test_first_min_per_row_is_the_lexsort_pick():
     """`_first_min_per_row` (prefix_neighbors' best K per row without a sort) picks what a lexsort by (row, T, K)
     picks: the smallest T, the smallest K among equal T, NaN after every number (a row of NaN: its first K)."""

@@ -41,3 +41,18 @@ def test_fixed_greedy_is_greedy_once_per_scorer():
         got[0] += 1  # a copy: the cached point stays as planned
         assert np.array_equal(fixed_greedy(s, ul), want)
     assert len(s.greedy_fixed) == 2
+
+
+def test_band_for_rate_from_its_table_takes_two_newton_steps():
+    """The tabulated start (`uplink._start_table`, within 2e-5 of the root for c = rho ln2 / a in (4e-17,
+    1 - 5e-10)) leaves two Newton steps (the second within 1e-8: it lands on the root to rounding)."""
+    rng = np.random.default_rng(2)
+    c = np.concatenate([10 ** rng.uniform(-12, -1e-4, 5000), 1 - 10 ** rng.uniform(-8, -1, 5000)])
+    a = 10 ** rng.uniform(3, 12, c.size)
+    rho = c * a / uplink.LN2
+    b = uplink.band_for_rate_hz(rho, a)
+    assert np.array_equal(uplink.band_for_rate_hz(rho, a, iters=2), b)
+    assert np.max(np.abs(uplink.rate_bps(b, a) - rho) / rho) < 2e-15
+    x = np.exp(np.linspace(np.log(1e-8), np.log(1e17), 100_000))
+    start, _ = uplink._root_start(np.log1p(x) / x)
+    assert np.max(np.abs(start / x - 1)) < 2e-5

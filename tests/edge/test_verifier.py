@@ -148,3 +148,21 @@ def test_batched_on_cuda_matches_cpu(micro_pair, target):
     for it, got in zip(items, batched):
         (ref,) = cpu.verify([it])
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+def test_auto_threads_is_one_for_a_small_target_and_torchs_default_for_a_large_one(target, monkeypatch):
+    from edge_node import verifier
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        BatchedVerifier(target, "cpu", threads="auto")  # the micro target: far below SMALL_TARGET_PARAMS
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setattr(verifier, "SMALL_TARGET_PARAMS", 1)  # every target is large now: torch's own setting
+        BatchedVerifier(target, "cpu", threads="auto")
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="threads='many'"):
+            BatchedVerifier(target, "cpu", threads="many")
+    finally:
+        torch.set_num_threads(before)

@@ -30,6 +30,9 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (more oversubscribes a busy host)")
+    ap.add_argument("--compare-dtype", metavar="DTYPE",
+                    help="also load the target in DTYPE (e.g. bfloat16) and time its batched forward against "
+                         "--dtype's, interleaved; prints the ratio and how often the two agree on the top token")
     args = ap.parse_args()
 
     import numpy as np
@@ -53,12 +56,13 @@ def main() -> int:
     v = BatchedVerifier(model, args.device)
     rng = np.random.default_rng(0)
     vocab = v.vocab_size
-    items = []
+    items, prompts = [], {}
     for k in range(args.devices):
         ctx_len = [40, 120, 200, 80, 160, 60, 240, 100][k % 8]
         L = [2, 4, 6, 3, 5, 8, 1, 7][k % 8]
         name = f"dev{k}"
-        v.open(name, list(map(int, rng.integers(1, vocab, ctx_len))))
+        prompts[name] = list(map(int, rng.integers(1, vocab, ctx_len)))
+        v.open(name, prompts[name])
         items.append((name, [], list(map(int, rng.integers(1, vocab, L)))))
     sync = torch.cuda.synchronize if v.device.type == "cuda" else (lambda: None)
 
@@ -92,7 +96,40 @@ def main() -> int:
     print(f"  one batched forward   {mb * 1e3:8.2f} ms")
     print(f"  one forward per device {ms * 1e3:7.2f} ms")
     print(f"  ratio per-device/batched = {ms / mb:.2f}")
+    if args.compare_dtype:
+        compare_dtype(args, path, v, items, prompts, batched)
     return 0
+
+
+def compare_dtype(args, path, v, items, prompts, batched) -> None:
+    """The same batched forward on a second copy of the target in `--compare-dtype`, timed interleaved with
+    the first; top-1 agreement over every verified row (a lower precision is another target: lossless
+    against itself, not against float32)."""
+    import numpy as np
+
+    from edge_node.verifier import BatchedVerifier, load_target
+
+    other = BatchedVerifier(load_target(path, device=args.device, dtype=args.compare_dtype), args.device)
+    for name, prompt in prompts.items():
+        other.open(name, prompt)
+
+    def batched_other() -> float:
+        t = time.perf_counter()
+        other.verify(items)
+        dt = time.perf_counter() - t
+        for name, _, _ in items:
+            other.commit(name, 0)
+        return dt
+
+    batched_other(), batched_other()  # prefill and warm-up
+    first, second = interleaved_medians(batched, batched_other, args.repeats)
+    a, b = v.verify(items), other.verify(items)
+    for name, _, _ in items:
+        v.commit(name, 0)
+        other.commit(name, 0)
+    agree = np.mean(np.concatenate([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b)]))
+    print(f"  {args.dtype or 'float32'} batched {first * 1e3:8.2f} ms, {args.compare_dtype} {second * 1e3:8.2f} ms: "
+          f"ratio {first / second:.2f}; top-1 agreement {agree:.3f} over {sum(len(x) for x in a)} rows")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ share finishes at one common time U. For a deadline U device k needs the band
 
     b_k(U) = max(b_min, beta(S_k / (U - c_k), a_k)),   beta(rho, a) = the b with b log2(1 + a / b) = rho,
 
-convex and decreasing in U, so F(U) = sum_k b_k(U) - B is convex and decreasing and U* is its root: Newton
-from a point left of the root (the time of the device that is slowest with all the band the others leave it)
-climbs onto it monotonically, never overshooting (`split`). beta has no closed form without Lambert's W;
-with x = a / b it is the positive root of ln(1 + x) = c x, c = rho ln 2 / a in (0, 1) (`band_for_rate_hz`),
-solved by Newton from the right of the root.
+convex and decreasing in U, so F(U) = sum_k b_k(U) - B is convex and decreasing and U* is its root. F is
+also convex (and increasing) in V = 1 / U, so Newton in V from a point left of the root in U (the time of the
+device that is slowest with all the band the others leave it, or the V-tangent's zero from the equal split's
+time) climbs onto it monotonically, never overshooting (`split`). beta has no closed form without Lambert's
+W; with x = a / b it is the positive root of ln(1 + x) = c x, c = rho ln 2 / a in (0, 1) (`band_for_rate_hz`),
+solved by Newton from a tabulated start (two steps).
 
 A device whose upload time does not depend on its band (S_k = 0 here: a given rate, or nothing to send)
 keeps b_min and bounds U from below by c_k. Pure numpy, vectorised over leading axes (rows of candidates).
@@ -48,8 +49,7 @@ def _root_start(cc):
     the table (`_start_table`) where c is in its range, else a point right of the root."""
     with np.errstate(divide="ignore", invalid="ignore"):
         p = (np.log(-np.log(cc)) - _W0) / _DW
-    i = p.astype(np.intp)
-    np.clip(i, 0, _LNX.size - 2, out=i)
+    i = np.clip(np.asarray(p).astype(np.intp), 0, _LNX.size - 2)
     x = np.exp(_LNX[i] + (p - i) * _DLNX[i])
     if cc.size == 0 or (cc.min() > _C_MIN and cc.max() < _C_MAX):
         return x, False
@@ -71,7 +71,18 @@ def band_for_rate_hz(rate_bps, snr_hz, iters: int = 60):
     with np.errstate(divide="ignore", invalid="ignore"):
         c = rho * LN2 / a
     ok = (c > 0) & (c < 1)
-    cc = np.where(ok, c, 0.5)
+    if ok.all():
+        x = _root(c, iters)
+    else:  # only the entries with a finite positive band (a shared uplink's demand tables: a third are not)
+        x = np.ones(c.shape)
+        x[ok] = _root(c[ok], iters)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        b = a / x
+    return np.where(ok, b, np.where(rho <= 0, 0.0, np.inf))
+
+
+def _root(cc, iters: int):
+    """The positive root x of ln(1 + x) = c x for each c in (0, 1), each entry on its own."""
     # Newton on h(x) = ln(1 + x) - c x (concave) from the tabulated start (within 2e-5 of the root; where that
     # start is left of the root the first step lands right of it, and from there Newton descends onto it)
     x, far = _root_start(cc)
@@ -97,9 +108,7 @@ def band_for_rate_hz(rate_bps, snr_hz, iters: int = 60):
         done = converged if done is None else done | converged
         if done.all():
             break
-    with np.errstate(divide="ignore", invalid="ignore"):
-        b = a / x
-    return np.where(ok, b, np.where(rho <= 0, 0.0, np.inf))
+    return x
 
 
 def rate_bps(band_hz, snr_hz):

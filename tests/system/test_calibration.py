@@ -124,6 +124,29 @@ def test_calibrate_verification_fits_the_forward_time_and_closes_its_sessions():
     assert got["took_s"] >= sum(s["verify_s"] * s["repeats"] for s in got["shapes"])
 
 
+class DisturbedVerifier(FakeVerifier):
+    """Every other forward takes twice as long: the host's other load on one timing of each pair."""
+
+    def verify(self, items):
+        import time
+
+        out = super().verify(items)
+        if len(self.calls) % 2:
+            time.sleep(self.t0 + self.t1 * self.calls[-1])
+        return out
+
+
+def test_a_slow_target_is_timed_twice_a_shape_and_the_undisturbed_forward_counts(monkeypatch):
+    from edge_node import calibration
+
+    monkeypatch.setattr(calibration, "SLOW_FORWARD_S", 0.0)  # every forward counts as slow here
+    got = calibrate_verification(DisturbedVerifier(0.01, 0.001), 4, 6, [[1, 2, 3]], pause_s=0.0)
+    assert [s["repeats"] for s in got["shapes"]] == [calibration.SLOW_REPEATS] * 3
+    # The disturbed timing of each pair is 2x: a median or mean of the two would put t0, t1 50% high.
+    assert got["verify_t0_s"] == pytest.approx(0.01, abs=0.004)
+    assert got["verify_t1_s"] == pytest.approx(0.001, rel=0.25)
+
+
 # -- a live run ---------------------------------------------------------------------------------------
 
 SCALE = 8.0  # the slowed device's hardware compute_scale

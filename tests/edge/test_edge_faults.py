@@ -750,54 +750,58 @@ def test_idle_connections_beyond_the_shells_file_limit_do_not_lock_devices_out()
             edge.wait()
 
 
-def test_the_heap_is_given_back_once_a_flood_of_refused_messages_ends(ipc, caplog):
-    """The edge keeps freed heap for the optimizer's temporaries (`testbed.runtime.heap`); after a flood of
-    refused messages that would stay its size (bench_flood: +52 to +87 MB). Once FLOOD_TRIM_REFUSALS have
-    been refused and FLOOD_QUIET_S passed without one, it is trimmed, once per flood."""
-    from edge_node.transport import FLOOD_QUIET_S, FLOOD_TRIM_REFUSALS
-
+@pytest.fixture
+def edge_and_rogue(ipc):
+    """A real edge on `ipc` and a DEALER connected to it that no profile knows."""
     server = make_server(ipc)
     rogue = zmq.Context.instance().socket(zmq.DEALER)
     rogue.setsockopt(zmq.LINGER, 0)
     rogue.connect(ipc)
-    ended = lambda: [r for r in caplog.records if "a flood ended" in r.getMessage()]  # noqa: E731
     try:
-        with caplog.at_level(logging.INFO, logger="multispin.edge"):
-            for _ in range(FLOOD_TRIM_REFUSALS):
-                rogue.send_multipart([b"not json"])
-            server.poll(time.monotonic() + 30, stop=lambda: server.refused >= FLOOD_TRIM_REFUSALS)
-            assert server.refused >= FLOOD_TRIM_REFUSALS and not ended()  # not while it goes on
-            quiet_from = time.monotonic()
-            server.poll(time.monotonic() + 10 * FLOOD_QUIET_S, stop=lambda: bool(ended()))
-            assert len(ended()) == 1 and time.monotonic() - quiet_from >= FLOOD_QUIET_S * 0.9
-            rogue.send_multipart([b"not json"])  # a few more refusals are no new flood
-            server.poll(time.monotonic() + 3 * FLOOD_QUIET_S)
-            assert len(ended()) == 1
+        yield server, rogue
     finally:
         rogue.close(linger=0)
         server.close()
 
 
-def test_a_trickle_of_refusals_gets_the_heap_trimmed_too(ipc, caplog, monkeypatch):
+def _logged(caplog, text: str):
+    return lambda: [r for r in caplog.records if text in r.getMessage()]
+
+
+def test_the_heap_is_given_back_once_a_flood_of_refused_messages_ends(edge_and_rogue, caplog):
+    """The edge keeps freed heap for the optimizer's temporaries (`testbed.runtime.heap`); after a flood of
+    refused messages that would stay its size (bench_flood: +52 to +87 MB). Once FLOOD_TRIM_REFUSALS have
+    been refused and FLOOD_QUIET_S passed without one, it is trimmed, once per flood."""
+    from edge_node.transport import FLOOD_QUIET_S, FLOOD_TRIM_REFUSALS
+
+    server, rogue = edge_and_rogue
+    ended = _logged(caplog, "a flood ended")
+    with caplog.at_level(logging.INFO, logger="multispin.edge"):
+        for _ in range(FLOOD_TRIM_REFUSALS):
+            rogue.send_multipart([b"not json"])
+        server.poll(time.monotonic() + 30, stop=lambda: server.refused >= FLOOD_TRIM_REFUSALS)
+        assert server.refused >= FLOOD_TRIM_REFUSALS and not ended()  # not while it goes on
+        quiet_from = time.monotonic()
+        server.poll(time.monotonic() + 10 * FLOOD_QUIET_S, stop=lambda: bool(ended()))
+        assert len(ended()) == 1 and time.monotonic() - quiet_from >= FLOOD_QUIET_S * 0.9
+        rogue.send_multipart([b"not json"])  # a few more refusals are no new flood
+        server.poll(time.monotonic() + 3 * FLOOD_QUIET_S)
+        assert len(ended()) == 1
+
+
+def test_a_trickle_of_refusals_gets_the_heap_trimmed_too(edge_and_rogue, caplog, monkeypatch):
     """A hostile device that registers again and again is refused a few times a minute, never 1,000 times, yet
     each time a session and its KV cache were built and dropped: TRICKLE_TRIM_S after the last trim, with a
     refusal since and FLOOD_QUIET_S quiet, the heap is trimmed; without a refusal it is not."""
     from edge_node import transport
 
     monkeypatch.setattr(transport, "TRICKLE_TRIM_S", 0.5)
-    server = make_server(ipc)
-    rogue = zmq.Context.instance().socket(zmq.DEALER)
-    rogue.setsockopt(zmq.LINGER, 0)
-    rogue.connect(ipc)
-    trimmed = lambda: [r for r in caplog.records if "a trickle of refusals ended" in r.getMessage()]  # noqa: E731
-    try:
-        with caplog.at_level(logging.INFO, logger="multispin.edge"):
-            server.poll(time.monotonic() + 2 * transport.FLOOD_QUIET_S)  # past TRICKLE_TRIM_S, no refusal
-            assert not trimmed()
-            for _ in range(3):
-                rogue.send_multipart([b"not json"])
-            server.poll(time.monotonic() + 10 * transport.FLOOD_QUIET_S, stop=lambda: bool(trimmed()))
-            assert len(trimmed()) == 1 and server.refused == 3
-    finally:
-        rogue.close(linger=0)
-        server.close()
+    server, rogue = edge_and_rogue
+    trimmed = _logged(caplog, "a trickle of refusals ended")
+    with caplog.at_level(logging.INFO, logger="multispin.edge"):
+        server.poll(time.monotonic() + 2 * transport.FLOOD_QUIET_S)  # past TRICKLE_TRIM_S, no refusal
+        assert not trimmed()
+        for _ in range(3):
+            rogue.send_multipart([b"not json"])
+        server.poll(time.monotonic() + 10 * transport.FLOOD_QUIET_S, stop=lambda: bool(trimmed()))
+        assert len(trimmed()) == 1 and server.refused == 3

@@ -96,6 +96,11 @@ class BatchedVerifier:
         self.sessions: dict[str, _Session] = {}
         self._cache_kw = cache_kwarg(model)
 
+    def describe(self) -> dict:
+        """What meta.json records of the target: its precision, device and torch's CPU threads."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                "threads": torch.get_num_threads()}
+
     # -- sessions ----------------------------------------------------------------------------------------
     def open(self, session: str, prompt_ids: list[int]) -> None:
         """Start (or restart) a session; the prompt is prefilled at the first verify."""

@@ -32,6 +32,12 @@ def pick_pair(args):
     return ensure_pair(MICRO_CONFIG, progress=False)
 
 
+def onnx_bytes(path: Path) -> int:
+    """A model's size with its external data file (`NAME.data`: the weights of a model over 2 GB)."""
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", help="pair directory (default: the cached default pair, else the micro pair)")
@@ -133,7 +139,7 @@ def compare_int8(args) -> int:
     mf, mq = interleaved_medians(f, q, args.repeats)
     result = {"pair": str(pair.root), "threads": args.threads, "tokens": args.tokens,
               "draft_ms_per_token": {"float32": round(mf * 1e3, 3), "int8": round(mq * 1e3, 3)},
-              "bytes": {"float32": pair.draft_onnx.stat().st_size, "int8": q_path.stat().st_size}}
+              "bytes": {"float32": onnx_bytes(pair.draft_onnx), "int8": onnx_bytes(q_path)}}
     if args.acceptance:
         import dataclasses
 

@@ -48,7 +48,7 @@ def check_run(run_dir: Path) -> bool:
         return False
     pair = resolve_pair(profile, progress=False)
     tokenizer = load_tokenizer(pair["tokenizer"])
-    model = load_target(pair["target"], device="cpu")
+    model = load_target(pair["target"], device="cpu", dtype=profile.model.dtype)  # the target the run verified with
     outputs = json.loads((run_dir / "outputs.json").read_text())
     ok = True
     for name, entry in sorted(outputs.items()):

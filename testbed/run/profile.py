@@ -123,6 +123,11 @@ class ModelSettings(_Strict):
     draft_onnx: str | None = Field(default=None, description="the draft's ONNX file (pair: local)")
     tokenizer: str | None = Field(default=None, description="tokenizer JSON or HF dir (pair: local)")
     device: str | None = Field(default=None, description="torch device of the target (default: cuda if any)")
+    # bfloat16 on a CPU with AMX (this host): the Qwen 1.5B target verified 2 devices in 366 ms against 1,584 ms
+    # in float32 (tools/bench_verifier.py --compare-dtype); another target, so lossless against itself only.
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="the target's weights and compute: float32 (exact against the float32 "
+                                       "checkpoint), bfloat16 or float16 (faster where the hardware has them)")
     # torch intra-op threads of the edge (edge_node.verifier.auto_threads: 1 for a small target, whose ops are too
     # short to pay for a thread barrier and stall 25x when another process holds a core; torch's default above).
     threads: int | Literal["auto"] | None = Field(

@@ -149,7 +149,7 @@ def build_session(profile: Profile, run_dir: Path, pair: dict, *, start_devices:
     texts = profile.prompt_list()
 
     def target() -> BatchedVerifier:
-        return BatchedVerifier(load_target(pair["target"], device=profile.model.device),
+        return BatchedVerifier(load_target(pair["target"], device=profile.model.device, dtype=profile.model.dtype),
                                device=profile.model.device, threads=profile.model.threads)
 
     if pool is not None:
@@ -323,7 +323,8 @@ def open_run(s: LiveSession, recorder: RunRecorder | None = None) -> None:
     p = s.profile
     fields = dict(channel_mode=p.channel.mode, model=s.pair, vocab_size=s.vocab, run_dir=str(s.run_dir),
                   hardware={n: h.to_dict() for n, h in s.hardware.items()}, status="running", pid=os.getpid(),
-                  security="keys" if p.keys_dir else "insecure" if p.insecure else "loopback only")
+                  security="keys" if p.keys_dir else "insecure" if p.insecure else "loopback only",
+                  target=s.verifier.describe())
     if s.pool is not None:  # which trial of its process, and whether it started its processes itself
         fields["warm"] = {"trial": s.pool.trials, "reused_processes": s.warm}
     meta = s.recorder.read_meta()

@@ -37,7 +37,7 @@ log = logging.getLogger("multispin.warm")
 
 def model_key(profile, pair: dict) -> tuple:
     m = profile.model
-    return pair.get("target"), pair.get("tokenizer"), m.device, m.threads
+    return pair.get("target"), pair.get("tokenizer"), m.device, m.threads, m.dtype
 
 
 def process_key(s) -> tuple | None:

@@ -92,7 +92,8 @@ class Verification:
             except Exception as exc:
                 outcomes.pop(name)
                 self._unverifiable(cur, name, exc)
-        self.srv.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names) + extra, verify_s)
+        self.srv.controller.observe_verify(sum(rounds[n].schedule[n].draft_len + 1 for n in names), verify_s,
+                                           prefill_positions=extra)
         for name, o in outcomes.items():
             self._observe(rounds[name], name, o)
         return outcomes, verify_s, tv, replying.descheduled_s()

@@ -48,6 +48,14 @@ def test_a_round_that_prefills_prompts_is_predicted_with_them_and_records_the_mo
     assert rec["verify_model"] == {"t0_s": pytest.approx(2.0), "t1_s": 0.13, "prefill_positions": 13}
 
 
+def test_a_round_that_prefilled_prompts_is_left_out_of_the_fit():
+    c = Controller(load_scenario(SCEN), fit_verify_after=3)
+    c.observe_verify(6, 1.29, prefill_positions=13)  # cheap prompt positions: 19 in all, faster than 9 drafts
+    for n in (4, 8, 12):
+        c.observe_verify(n, 0.4 + 0.12 * n)
+    assert c.verify_from == "fit" and (c.t0, c.t1) == (pytest.approx(0.4), pytest.approx(0.12))
+
+
 def test_the_verifier_counts_a_new_sessions_prompt_until_its_first_verify(micro_pair):
     torch.set_num_threads(1)
     v = BatchedVerifier(load_target(micro_pair.target_dir, device="cpu"), "cpu")

@@ -276,10 +276,19 @@ def spread_note(n: int, what: str = "runs", interval: str = "bars: min to max") 
     return f"mean of {n} {what}{few}; {interval}"
 
 
+# A legend of more entries than this goes below a paper column's axes: inside, 8 entries in 2 columns covered
+# half of a 3.5 in panel's data (the Qwen campaign's goodput figure).
+PAPER_LEGEND_INSIDE_MAX = 4
+
+
 def legend(ax, note: str | None = None, **kw):
-    """The axes' legend, with `note` (e.g. `spread_note`) as its title."""
+    """The axes' legend, with `note` (e.g. `spread_note`) as its title; in the paper style a long one goes below
+    the axes (unless the caller placed it)."""
     if note:
         kw.setdefault("title", note)
+    handles = kw.get("handles") or ax.get_legend_handles_labels()[0]
+    if current().name == "paper" and "loc" not in kw and len(handles) > PAPER_LEGEND_INSIDE_MAX:
+        kw.update(loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     leg = ax.legend(**kw)
     if leg is not None and note:
         leg.get_title().set_fontsize(current().font_pt)

@@ -229,3 +229,20 @@ def test_report_one_run_writes_cdf_and_captions(tmp_path, capsys):
     assert (a / "plots" / "phase_errors_cdf.svg").is_file() and (a / "plots" / "goodput.caption.txt").is_file()
     assert not (a / "plots" / "goodput.png").exists()
     assert "  goodput: Goodput per round of run a" in text
+
+
+@pytest.mark.parametrize("entries, below", [(8, True), (3, False)])
+def test_a_long_legend_goes_below_a_paper_columns_axes(entries, below):
+    # Inside, 8 entries in 2 columns covered half of a 3.5 in panel's data (the Qwen campaign's figure).
+    import matplotlib.pyplot as plt
+
+    with style.using("paper", "png"):
+        fig, ax = style.figure()
+        with style.rc():
+            for i in range(entries):
+                ax.plot([1, 2, 4], [i, i + 1, i + 2], label=f"policy {i}")
+            leg = style.legend(ax, style.spread_note(3, "repeats"), ncol=2)
+            fig.canvas.draw()
+            legend_box, axes_box = leg.get_window_extent(), ax.get_window_extent()
+        plt.close(fig)
+        assert (legend_box.y1 < axes_box.y0) == below

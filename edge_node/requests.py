@@ -80,6 +80,7 @@ class RequestQueues:
         self.waiting = {name: list(reqs) for name, reqs in plans.items()}
         self.serving: dict[str, Request] = {}
         self.done: list[dict] = []
+        self.finished = 0  # requests served to their token limit (their records written or in `done`)
         self.write = write
         self.t0: float | None = None  # monotonic time serving began (the first `ready`)
 
@@ -126,6 +127,7 @@ class RequestQueues:
         self.serving, self.waiting = {}, {n: [] for n in self.waiting}
 
     def _keep(self, rec: dict) -> None:
+        self.finished += bool(rec.get("finished"))
         if self.write is not None:
             self.write(rec)
         else:

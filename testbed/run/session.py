@@ -636,7 +636,7 @@ def outcome(s: LiveSession, tally: RoundTally) -> tuple[str, str]:
     rounds, n = s.profile.rounds, tally.count
     queues = s.server.requests
     if queues is not None and (queues.all_done or s.server.sessions):
-        served = sum(1 for r in queues.done if r.get("finished"))
+        served = queues.finished
         left = sum(len(q) for q in queues.waiting.values()) + len(queues.serving)
         if queues.all_done:
             return COMPLETE, f"every request served ({served} requests, {n} rounds)"

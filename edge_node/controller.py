@@ -60,8 +60,11 @@ FALLBACK_POLICY = "all-dl"
 FALLBACK_KINDS = ("infeasible", "plugin_error", "policy_error", "channel_source_error")
 ON_PLUGIN_ERROR = ("stop", "fallback")
 # The online verification fit needs this many batch sizes spanning this factor; else only the intercept moves,
-# over this many recent rounds.
-VERIFY_FIT_SIZES, VERIFY_FIT_SPAN, VERIFY_RECENT = 3, 2.0, 20
+# over this many recent rounds. Two sizes 1.5x apart: on the Qwen pair (CPU) the calibrated slope was 4x too low
+# for the rounds' 4-8 positions (the forward is not linear there) and the intercept alone left rounds 16% short
+# at the median; replayed on 41 recorded Qwen runs, fitting from 3 rounds on two such sizes took the median
+# round error from 8.7% to 5.0% and the runs above 10% from 23 to 6 (docs/models.md).
+VERIFY_FIT_SIZES, VERIFY_FIT_SPAN, VERIFY_RECENT = 2, 1.5, 20
 
 
 @dataclass
@@ -144,7 +147,7 @@ class DeviceOutcome:
 class Controller:
     def __init__(self, scenario: Scenario, *, policy="proposed", fixed_length: int = 4, seed: int = 0,
                  channel_state=None, compute_scale: dict[str, float] | None = None,
-                 alpha_prior_trials: float = 8.0, draft_time_window: int = 10, fit_verify_after: int = 5,
+                 alpha_prior_trials: float = 8.0, draft_time_window: int = 10, fit_verify_after: int = 3,
                  pin_mode: str | None = None, pin_draft_len: int | None = None, fit_round_overhead: bool = True,
                  on_plugin_error: str = "stop", fallback_policy: str = FALLBACK_POLICY,
                  policy_params: dict | None = None, calibrate: bool = False):

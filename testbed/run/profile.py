@@ -177,7 +177,7 @@ class EstimatorSettings(_Strict):
     # t_k: median of the device-reported drafting time per token over this many recent rounds.
     draft_time_window: int = Field(default=10, ge=1)
     # T_ver = t0 + t1 * positions: refit from measured verification times after this many rounds.
-    fit_verify_after: int = Field(default=5, ge=0, description="0 = keep the profile's t0, t1")
+    fit_verify_after: int = Field(default=3, ge=0, description="0 = keep the profile's t0, t1")
     # T_0: the median residual of the measured round time beyond the modeled phases (last 20 rounds).
     fit_round_overhead: bool = True
     # Before round 0: each device's drafting time per token as it timed itself (its `register`), and t0, t1

@@ -17,16 +17,28 @@ SCEN = {"bits_per_prob": 16, "max_draft_len": 6, "vocab_size": 1000, "verify_t0_
 
 
 def test_close_batch_sizes_move_the_intercept_and_keep_the_calibrated_slope():
-    """The Qwen pair's rounds verify 4 to 6 positions with +-0.5 s of host noise: a least-squares line through
-    them came out t1 = 1.13 s/position, t0 = 0 (and predicted 6.1 s rounds that took 4.5 s)."""
+    """Rounds of 5 and 6 positions (less than 1.5x apart) with +-0.4 s of host noise: a least-squares line
+    through them is noise (on the Qwen pair it once came out t1 = 1.13 s/position, t0 = 0)."""
     c = Controller(load_scenario(SCEN), fit_verify_after=5)
     c.calibrate, _ = True, c.calibrate_verify({"verify_t0_s": 2.13, "verify_t1_s": 0.13})
     rng = np.random.default_rng(0)
     for _ in range(12):
-        n = int(rng.integers(4, 7))
+        n = int(rng.integers(5, 7))
         c.observe_verify(n, 3.5 + 0.13 * n + float(rng.normal(0, 0.4)))
     assert c.verify_from == "intercept" and c.t1 == 0.13
     assert c.t0 == pytest.approx(3.5, abs=0.4)
+
+
+def test_two_batch_sizes_apart_fit_the_local_slope_after_three_rounds():
+    """The Qwen pair on a CPU: calibrated t1 = 0.045 s/position, the rounds' own 4 and 6 positions cost 0.93 and
+    1.33 s (0.2 s a position there). Three rounds on, the line goes through them, not along the calibrated
+    slope: a round of 6 positions is then predicted 1.33 s, not 1.03 s."""
+    c = Controller(load_scenario(SCEN))
+    c.calibrate, _ = True, c.calibrate_verify({"verify_t0_s": 0.488, "verify_t1_s": 0.045})
+    for n, v in ((4, 0.93), (4, 0.93), (6, 1.33)):
+        c.observe_verify(n, v)
+    assert c.verify_from == "fit"
+    assert c.t0 + c.t1 * 6 == pytest.approx(1.33) and c.t1 == pytest.approx(0.2)
 
 
 def test_a_wide_spread_of_batch_sizes_fits_both_terms():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 log = logging.getLogger("multispin.edge")
@@ -72,6 +73,9 @@ class Request:
         }
 
 
+RECENT_REQUESTS = 1_000  # finished requests a live view's percentiles are taken over (the file keeps every one)
+
+
 class RequestQueues:
     """Every device's requests: waiting, in service, done. `write(record)` keeps each finished one's record;
     without a writer `done` keeps them (with one it stays empty: a long run's memory must not grow with it)."""
@@ -81,6 +85,7 @@ class RequestQueues:
         self.serving: dict[str, Request] = {}
         self.done: list[dict] = []
         self.finished = 0  # requests served to their token limit (their records written or in `done`)
+        self.recent: deque[dict] = deque(maxlen=RECENT_REQUESTS)  # the last records, for a live view
         self.write = write
         self.t0: float | None = None  # monotonic time serving began (the first `ready`)
 
@@ -128,10 +133,15 @@ class RequestQueues:
 
     def _keep(self, rec: dict) -> None:
         self.finished += bool(rec.get("finished"))
+        self.recent.append(rec)
         if self.write is not None:
             self.write(rec)
         else:
             self.done.append(rec)
+
+    def snapshot(self) -> list[dict]:
+        """The records of the last RECENT_REQUESTS requests finished (for a live view)."""
+        return list(self.recent)
 
     # -- serving -----------------------------------------------------------------------------------
     def ready(self, srv) -> bool:

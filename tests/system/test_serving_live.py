@@ -80,3 +80,24 @@ def test_poisson_requests_report_ttft_and_inter_token_percentiles(tmp_path, caps
     out = capsys.readouterr().out
     assert f"serving: {2 * COUNT} of {2 * COUNT} requests finished" in out
     assert "time to first token" in out and "inter-token latency" in out
+
+
+def test_the_live_view_shows_the_requests_served_so_far(tmp_path):
+    """`multispin run` with its live view at a terminal: each round's callback reads the requests finished so
+    far from the edge (their records are written to requests.jsonl, not kept by the edge)."""
+    import io
+
+    from rich.console import Console
+
+    from testbed.analysis.live_view import LiveView
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("A dictionary is a mapping of keys to values.\n")
+    buf = io.StringIO()
+    with LiveView("serve", console=Console(file=buf, width=120, color_system=None)) as view:
+        summary = run_live(_profile(prompts), tmp_path / "run", progress=False, on_round=view.on_round)
+    assert summary["status"] == "complete", summary["reason"]
+    assert len(view.requests) == 2 * COUNT and all(r["finished"] for r in view.requests)
+    shown = io.StringIO()
+    Console(file=shown, width=140, color_system=None).print(view.render())
+    assert "time to first token" in shown.getvalue()

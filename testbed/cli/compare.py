@@ -3,6 +3,8 @@ policies, repeated, with the spread per policy and its plots."""
 
 from __future__ import annotations
 
+import contextlib
+
 from testbed.run.compare import policy_profile, run_name, run_policy, write_comparison
 
 
@@ -35,6 +37,9 @@ def register(subparsers) -> None:
                         "state)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars or Python warnings; log warnings and errors only")
+    from testbed.cli.run import add_live_view_argument
+
+    add_live_view_argument(p)  # every run of the comparison in turn, in one view
     from testbed.cli.report import add_figure_arguments, with_figures
 
     add_figure_arguments(p)  # --style, --format of every plot
@@ -43,7 +48,7 @@ def register(subparsers) -> None:
 
 def handle(args) -> int:
     from testbed.cli import CliError
-    from testbed.cli.run import load, print_config, run_meta_from_args
+    from testbed.cli.run import live_view_wanted, load, print_config, run_meta_from_args
     from testbed.run.config_override import policy_list
     from testbed.run.launcher import require_edge_extra, resolve_pair
     from testbed.run.warm import WarmPool
@@ -63,18 +68,28 @@ def handle(args) -> int:
     # Warm trials (`testbed.run.warm`): the target, the emulator and the device processes of the first run serve
     # the next ones, each with fresh state; --cold starts everything for every run.
     pool = None if args.cold else WarmPool(say=None if not args.quiet else lambda text: None)
+    view = None
+    if live_view_wanted(args):  # the runs one after another in one view, each under its own title
+        from testbed.analysis.live_view import LiveView
+
+        view = LiveView(f"compare {parent.name}", base.rounds)
     try:
-        # Repeat-major: the policies of one repeat run back to back, so a slow drift of the host (load, thermal)
-        # lands on every policy alike instead of on the last one.
-        for r in range(args.repeats):
-            for policy in policies:
-                profile = policy_profile(base, policy, r)
-                run_dir = parent / run_name(policy, r, args.repeats)
-                print(f"== {policy}" + (f", repeat {r + 1}/{args.repeats} (seed {profile.seed})" if args.repeats > 1
-                                        else "") + f": {run_dir}", flush=True)
-                meta = run_meta_from_args(args, compare={"dir": str(parent), "policy": policy, "repeat": r})
-                infos.append(run_policy(profile, run_dir, pair, progress=not args.quiet, plots=not args.no_plots,
-                                        title=f"{parent.name}/{run_dir.name}", meta=meta, pool=pool))
+        with view if view is not None else contextlib.nullcontext():
+            # Repeat-major: the policies of one repeat run back to back, so a slow drift of the host (load,
+            # thermal) lands on every policy alike instead of on the last one.
+            for r in range(args.repeats):
+                for policy in policies:
+                    profile = policy_profile(base, policy, r)
+                    run_dir = parent / run_name(policy, r, args.repeats)
+                    label = f"{policy}" + (f", repeat {r + 1}/{args.repeats} (seed {profile.seed})"
+                                           if args.repeats > 1 else "")
+                    print(f"== {label}: {run_dir}", flush=True)
+                    if view is not None:
+                        view.start_run(f"compare {label}", profile.rounds)
+                    meta = run_meta_from_args(args, compare={"dir": str(parent), "policy": policy, "repeat": r})
+                    infos.append(run_policy(profile, run_dir, pair, progress=not args.quiet and view is None,
+                                            plots=not args.no_plots, title=f"{parent.name}/{run_dir.name}", meta=meta,
+                                            pool=pool, on_round=view.on_round if view is not None else None))
     finally:
         if pool is not None:
             pool.close()

@@ -690,7 +690,8 @@ def finish(s: LiveSession, status: str, reason: str) -> dict:
     if status != COMPLETE and s.outputs:
         # A run that did not complete keeps the tokens of its recorded rounds: a resume reruns the round in
         # flight, so what that round committed (verdicts out, record not yet written) is not the run's.
-        outputs.update({n: {**e, "text": s.tokenizer.decode(e["output_ids"])} for n, e in s.outputs.items()})
+        kept = interrupted_outputs(s.run_dir, s.outputs)
+        outputs.update({n: {**e, "text": s.tokenizer.decode(e["output_ids"])} for n, e in kept.items()})
     s.recorder.write_outputs(outputs)
     written = (s.run_dir / "rounds.jsonl").is_file()
     records = list(iter_rounds(s.run_dir)) if written else []
@@ -723,6 +724,17 @@ def add_serving(summary: dict, s: LiveSession) -> None:
 
     summary["serving"] = serving.summarize(load_requests(s.run_dir))
     summary["serving_settings"] = s.profile.requests.model_dump(mode="json")
+
+
+def interrupted_outputs(run_dir: Path, in_memory: dict[str, dict]) -> dict[str, dict]:
+    """The tokens per device of a run that did not complete: the progress log as written (what `--resume`
+    starts from), else `in_memory`. A signal between a round's progress update in memory and its line on disk
+    left the memory a round ahead of the file, and outputs.json then held tokens the resumed run regenerated
+    differently (test_a_signal_ends_the_run_cleanly_and_resume_goes_on, once in a full run)."""
+    on_disk = (load_progress(run_dir) or {}).get("devices")
+    if not isinstance(on_disk, dict) or not on_disk:
+        return in_memory
+    return {n: {**in_memory.get(n, {}), **e} for n, e in on_disk.items() if isinstance(e, dict)}
 
 
 def save_progress(s: LiveSession, round_index: int | None) -> None:

@@ -456,3 +456,18 @@ def test_a_killed_edge_resumed_gets_its_reconnecting_devices_back(micro_pair, tm
     assert resumed[: len(before)] == before and resumed == list(range(rounds))
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "complete"
     assert all("registering again" in x for x in logs), [x[-1500:] for x in logs]
+
+
+def test_an_interrupted_runs_outputs_are_the_progress_a_resume_starts_from(tmp_path):
+    """A signal between a round's progress update in memory and its line on disk leaves the memory a round
+    ahead; outputs.json must hold what `--resume` reads (the file), or the resumed run's tokens do not extend it."""
+    from testbed.run.session import interrupted_outputs
+
+    recorder = RunRecorder(tmp_path)
+    on_disk = {"d0": {"output_ids": [5, 6, 7], "rounds": 2, "prompt": "def f():"}}
+    recorder.write_progress({"round": 1, "devices": on_disk})
+    recorder.close()
+    ahead = {"d0": {"output_ids": [5, 6, 7, 8, 9], "rounds": 3, "prompt": "def f():"}}
+    assert interrupted_outputs(tmp_path, ahead) == on_disk
+    assert load_progress(tmp_path)["devices"] == on_disk  # what a resume starts from
+    assert interrupted_outputs(tmp_path / "none", ahead) == ahead  # no progress written: what the memory holds

@@ -86,7 +86,7 @@ class RequestQueues:
         self.done: list[dict] = []
         self.finished = 0  # requests served to their token limit (their records written or in `done`)
         self.recent: deque[dict] = deque(maxlen=RECENT_REQUESTS)  # the last records, for a live view
-        self.write = write
+        self.write = write or self.done.append
         self.t0: float | None = None  # monotonic time serving began (the first `ready`)
 
     def now(self) -> float:
@@ -134,10 +134,7 @@ class RequestQueues:
     def _keep(self, rec: dict) -> None:
         self.finished += bool(rec.get("finished"))
         self.recent.append(rec)
-        if self.write is not None:
-            self.write(rec)
-        else:
-            self.done.append(rec)
+        self.write(rec)
 
     def snapshot(self) -> list[dict]:
         """The records of the last RECENT_REQUESTS requests finished (for a live view)."""

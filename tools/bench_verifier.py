@@ -106,6 +106,7 @@ def compare_dtype(args, path, v, items, prompts, batched) -> None:
     the first; top-1 agreement over every verified row (a lower precision is another target: lossless
     against itself, not against float32)."""
     import numpy as np
+    import torch
 
     from edge_node.verifier import BatchedVerifier, load_target
 
@@ -113,9 +114,13 @@ def compare_dtype(args, path, v, items, prompts, batched) -> None:
     for name, prompt in prompts.items():
         other.open(name, prompt)
 
+    sync = torch.cuda.synchronize if other.device.type == "cuda" else (lambda: None)
+
     def batched_other() -> float:
+        sync()
         t = time.perf_counter()
         other.verify(items)
+        sync()
         dt = time.perf_counter() - t
         for name, _, _ in items:
             other.commit(name, 0)
